@@ -1,0 +1,42 @@
+"""Exception types a user can act on.
+
+Every error precache raises on bad input derives from :class:`PrecacheError`, so callers can
+catch one type; each message names the offending file, field or value.
+"""
+
+from __future__ import annotations
+
+
+class PrecacheError(Exception):
+    """Base class of every error precache raises on bad input."""
+
+
+class ModelLoadError(PrecacheError):
+    """A model path is missing, malformed or of an unsupported architecture."""
+
+
+class AdapterError(PrecacheError):
+    """A LoRA adapter folder is missing, malformed, unsupported or does not fit the base model."""
+
+
+class UnknownAdapterError(PrecacheError, KeyError):
+    """An adapter (agent) name is not loaded."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class UnknownMethodError(PrecacheError, ValueError):
+    """A sharing method name does not exist."""
+
+
+class ContextLengthError(PrecacheError, ValueError):
+    """A request would run past the model's context length."""
+
+
+class EmptyRequestError(PrecacheError, ValueError):
+    """A request has nothing to process (no tokens, or max_new_tokens < 1)."""
+
+
+class CacheIntegrityError(PrecacheError, AssertionError):
+    """A cache invariant (equal lengths, segment coverage) does not hold: a bug, not bad input."""
