@@ -1,0 +1,36 @@
+"""precache: KV cache sharing for multi-LoRA agent systems (PreLRShared, ReBaseShared)."""
+
+from precache.config import SamplingParams
+from precache.engine import Engine, Session, Turn
+from precache.errors import (
+    AdapterError,
+    ContextLengthError,
+    EmptyRequestError,
+    ModelLoadError,
+    PrecacheError,
+    UnknownAdapterError,
+    UnknownMethodError,
+)
+from precache.lora.adapter import LoRAAdapter, load_adapter
+from precache.methods import METHODS
+from precache.models import load_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "METHODS",
+    "AdapterError",
+    "ContextLengthError",
+    "EmptyRequestError",
+    "Engine",
+    "LoRAAdapter",
+    "ModelLoadError",
+    "PrecacheError",
+    "SamplingParams",
+    "Session",
+    "Turn",
+    "UnknownAdapterError",
+    "UnknownMethodError",
+    "load_adapter",
+    "load_model",
+]

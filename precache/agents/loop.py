@@ -1,0 +1,219 @@
+"""The plan / action / reflect loop on one shared trajectory (protocol: :mod:`precache.agents.prompt`).
+
+The loop talks to the engine only through the session contract below; every agent continues
+the same token stream and no agent gets prompt text of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from precache.agents import prompt
+from precache.agents.data import Question
+from precache.agents.scoring import exact_match, f1
+from precache.agents.tools import ToolEnv
+from precache.errors import ContextLengthError
+
+logger = logging.getLogger(__name__)
+
+STOP_REASONS = ("reflect_right", "retries_exhausted", "reflect_unparsed", "max_steps", "context_length")
+
+
+class GeneratedTurn(Protocol):
+    """What ``session.generate`` returns."""
+
+    token_ids: list[int]
+    text: str
+    ttft_s: float
+    decode_s: float
+    prefill_tokens: int
+    stop_reason: str
+
+
+class AgentSession(Protocol):
+    """The engine session contract the loop relies on (``precache.Engine.session()``)."""
+
+    def append(self, text_or_token_ids: str | Sequence[int]) -> Any: ...
+
+    def generate(
+        self, agent: str, max_new_tokens: int, temperature: float, stop: list[str]
+    ) -> GeneratedTurn: ...
+
+    def __len__(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One agent turn: its text, TTFT and decode time (seconds), prefilled and new tokens."""
+
+    agent: str
+    text: str
+    ttft_s: float
+    decode_s: float
+    prefill_tokens: int
+    new_tokens: int
+    stop_reason: str
+
+
+@dataclass
+class Episode:
+    """The result of :func:`run_episode`. ``stop_reason`` is one of ``STOP_REASONS``."""
+
+    question_id: str
+    turns: list[Turn] = field(default_factory=list)
+    pieces: list[prompt.Piece] = field(default_factory=list)
+    answers: list[str] = field(default_factory=list)
+    answer: str = ""
+    em: float = 0.0
+    f1: float = 0.0
+    stop_reason: str = ""
+    steps: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def trajectory(self) -> str:
+        """The whole trajectory text, piece by piece as appended and generated."""
+        return "".join(piece.text for piece in self.pieces)
+
+    def to_dict(self) -> dict:
+        """JSON-ready summary (turns included, pieces folded into ``trajectory``)."""
+        data = asdict(self)
+        data.pop("pieces")
+        data["trajectory"] = self.trajectory
+        return data
+
+
+class _Stop(Exception):
+    """Ends the episode with a stop reason (context full)."""
+
+
+class _Runner:
+    """State of one episode: the session, the tools, the pieces written so far."""
+
+    def __init__(self, session, question, max_new_tokens, max_context, on_turn) -> None:
+        self.session = session
+        self.env = ToolEnv(question)
+        self.max_new_tokens = max_new_tokens
+        self.max_context = max_context
+        self.on_turn = on_turn
+        self.episode = Episode(question_id=question.id)
+
+    def append(self, text: str) -> None:
+        self.episode.pieces.append(prompt.Piece("env", text))
+        try:
+            self.session.append(text)
+        except ContextLengthError as exc:
+            raise _Stop("context_length") from exc
+        if self.max_context is not None and len(self.session) > self.max_context:
+            raise _Stop("context_length")
+
+    def generate(self, agent: str) -> str:
+        if self.max_context is not None and len(self.session) + self.max_new_tokens > self.max_context:
+            raise _Stop("context_length")
+        try:
+            out = self.session.generate(
+                agent=agent,
+                max_new_tokens=self.max_new_tokens,
+                temperature=0.0,
+                stop=prompt.STOP_STRINGS[agent],
+            )
+        except ContextLengthError as exc:
+            raise _Stop("context_length") from exc
+        turn = Turn(
+            agent=agent,
+            text=out.text,
+            ttft_s=out.ttft_s,
+            decode_s=out.decode_s,
+            prefill_tokens=out.prefill_tokens,
+            new_tokens=len(out.token_ids),
+            stop_reason=out.stop_reason,
+        )
+        self.episode.turns.append(turn)
+        self.episode.pieces.append(prompt.Piece(agent, out.text))
+        if self.on_turn is not None:
+            self.on_turn(turn)
+        return out.text
+
+    def act(self) -> tuple[str, str] | None:
+        """One plan (+ action) step. Returns ``(kind, argument)``, or None after an error observation."""
+        plan = self.generate("plan")
+        parsed = prompt.parse_plan(plan)
+        if parsed is None:
+            self.append(
+                prompt.observation_text("Invalid step. Write Thought: ... then Action: Type[argument].")
+            )
+            return None
+        kind = parsed[1]
+        written = prompt.plan_overshoot(plan)  # a token past "[" may start the argument
+        if "]" not in written:
+            written += self.generate("action")
+        argument = prompt.parse_argument(written)
+        if argument is None:
+            self.append(prompt.observation_text(f"Invalid action: {kind}[ was not closed with ]."))
+            return None
+        return kind, argument
+
+    def reflect(self) -> str | None:
+        """The reflect agent's verdict on the answer just given (``right`` / ``wrong`` / None)."""
+        self.append(prompt.FINISH_SEPARATOR)
+        return prompt.parse_reflect(self.generate("reflect"))
+
+
+def run_episode(
+    session: AgentSession,
+    question: Question,
+    max_steps: int = 8,
+    max_new_tokens: int = 64,
+    max_retries: int = 1,
+    max_context: int | None = None,
+    on_turn: Callable[[Turn], None] | None = None,
+) -> Episode:
+    """Answer ``question`` with the three agents taking turns on ``session``'s one trajectory.
+
+    A step is one plan turn (plus the action turn it calls for). ``Finish[answer]`` is followed
+    by a reflect turn; ``Reflect[wrong]`` starts another attempt, at most ``max_retries`` times.
+    Stops cleanly (``Episode.stop_reason``) on ``Reflect[right]``, exhausted retries, an
+    unparseable verdict, ``max_steps`` steps, or when the next piece would not fit in
+    ``max_context`` tokens (default: ``session.max_context`` if it has one, else unbounded).
+    The answer is the last ``Finish`` argument ("" if none); EM / F1 are against the gold answer.
+    """
+    start = time.perf_counter()
+    if max_context is None:
+        max_context = getattr(session, "max_context", None)
+    run = _Runner(session, question, max_new_tokens, max_context, on_turn)
+    episode = run.episode
+    retries = 0
+    try:
+        run.append(prompt.header(question.question))
+        while True:
+            if episode.steps >= max_steps:
+                raise _Stop("max_steps")
+            episode.steps += 1
+            action = run.act()
+            if action is None:
+                continue
+            result = run.env.step(f"{action[0]}[{action[1]}]")
+            if not result.done:
+                run.append(prompt.observation_text(result.observation))
+                continue
+            episode.answers.append(result.answer)
+            verdict = run.reflect()
+            if verdict == "wrong" and retries < max_retries:
+                retries += 1
+                run.append(prompt.RETRY_SEPARATOR)
+                continue
+            raise _Stop(
+                {"right": "reflect_right", "wrong": "retries_exhausted"}.get(verdict, "reflect_unparsed")
+            )
+    except _Stop as stop:
+        episode.stop_reason = str(stop)
+    episode.answer = episode.answers[-1] if episode.answers else ""
+    episode.em = exact_match(episode.answer, question.answer) if question.answer else 0.0
+    episode.f1 = f1(episode.answer, question.answer) if question.answer else 0.0
+    episode.wall_s = time.perf_counter() - start
+    logger.debug("episode %s: %s after %d steps", question.id, episode.stop_reason, episode.steps)
+    return episode

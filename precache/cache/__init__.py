@@ -1,0 +1,1 @@
+"""Cache storage, row plans and the attention over shared caches."""

@@ -1,0 +1,88 @@
+"""Attention of one row's queries over cache segments, with the LR value term kept low-rank.
+
+A segment is a contiguous span of key positions with keys ``K`` ``[n, n_kv_heads, head_dim]``
+(already the agent's view: base keys plus, for adapters with a k_proj LoRA, the RoPE'd LoRA part),
+base values ``Vb`` and optionally an LR value term ``(Lv [n, r], B^v [r, n_kv_heads * head_dim], s)``.
+The output is ``P Vb + s (P Lv) B^v`` (DESIGN.md, Notation): full adapted values are never built,
+which is the reordering LRAgent's Flash-LoRA-Attention exploits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+#: queries per block in the explicit-softmax path, bounding the score matrix on long prefills
+QUERY_BLOCK = 512
+
+
+@dataclass
+class Segment:
+    """Keys/values at trajectory positions ``[start, start + n)``; ``lv``/``bv``: the LR value term."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    start: int
+    lv: torch.Tensor | None = None
+    bv: torch.Tensor | None = None
+    scaling: float = 1.0
+
+
+def _causal_mask(q_start: int, n_queries: int, segments: list[Segment], device) -> torch.Tensor:
+    """``[T, n_keys]`` bool, True where key position <= query position."""
+    key_pos = torch.cat([torch.arange(s.start, s.start + s.k.shape[0], device=device) for s in segments])
+    q_pos = torch.arange(q_start, q_start + n_queries, device=device)
+    return key_pos[None, :] <= q_pos[:, None]
+
+
+def _sdpa(q: torch.Tensor, q_start: int, seg: Segment) -> torch.Tensor:
+    T = q.shape[0]
+    mask = None if T == 1 and seg.start + seg.k.shape[0] <= q_start + 1 else _causal_mask(q_start, T, [seg], q.device)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        seg.k.transpose(0, 1).unsqueeze(0),
+        seg.v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        enable_gqa=True,
+    )  # [1, Hq, T, D]
+    return out[0].transpose(0, 1).reshape(T, -1)
+
+
+def _explicit(q: torch.Tensor, q_start: int, segments: list[Segment]) -> torch.Tensor:
+    T, Hq, D = q.shape
+    Hkv = segments[0].k.shape[1]
+    G = Hq // Hkv
+    qh = q.view(T, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * T, D)  # [Hkv, G*T, D]
+    scores = torch.cat([qh @ s.k.permute(1, 2, 0) for s in segments], dim=-1) / math.sqrt(D)  # [Hkv, G*T, n]
+    mask = _causal_mask(q_start, T, segments, q.device)  # [T, n]
+    scores = scores.view(Hkv, G, T, -1).masked_fill(~mask, float("-inf")).view(Hkv, G * T, -1)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = torch.zeros(Hkv, G * T, D, dtype=q.dtype, device=q.device)
+    col = 0
+    for s in segments:
+        p = probs[..., col : col + s.k.shape[0]]  # [Hkv, G*T, n_s]
+        col += s.k.shape[0]
+        out += p @ s.v.transpose(0, 1)  # P Vb
+        if s.lv is not None:
+            plr = p.reshape(Hkv * G * T, -1) @ s.lv  # P Lv: [Hkv*G*T, r], Lv shared by all heads
+            bv = s.bv.view(-1, Hkv, D).transpose(0, 1)  # [Hkv, r, D]
+            out += s.scaling * (plr.view(Hkv, G * T, -1) @ bv)
+    return out.view(Hkv, G, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)
+
+
+def attend(q: torch.Tensor, q_start: int, segments: list[Segment]) -> torch.Tensor:
+    """Causal attention of queries ``q`` ``[T, n_heads, head_dim]`` at positions ``[q_start, q_start + T)``.
+
+    GQA: query head ``h`` reads kv head ``h // (n_heads / n_kv_heads)`` (HF ``repeat_kv`` order).
+    Returns ``[T, n_heads * head_dim]``. One plain segment runs PyTorch SDPA; several segments or an
+    LR value term run an explicit softmax in blocks of :data:`QUERY_BLOCK` queries.
+    """
+    if len(segments) == 1 and segments[0].lv is None:
+        return _sdpa(q, q_start, segments[0])
+    T = q.shape[0]
+    if T <= QUERY_BLOCK:
+        return _explicit(q, q_start, segments)
+    return torch.cat([_explicit(q[i : i + QUERY_BLOCK], q_start + i, segments) for i in range(0, T, QUERY_BLOCK)])

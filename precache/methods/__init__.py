@@ -1,0 +1,35 @@
+"""Sharing methods, one module each, behind :class:`~precache.methods.base.SharingMethod`."""
+
+from __future__ import annotations
+
+from precache.errors import UnknownMethodError
+from precache.methods.base import CacheState, SharingMethod
+from precache.methods.baseshared import BaseShared
+from precache.methods.fullshared import FullShared
+from precache.methods.nonshared import NonShared
+from precache.methods.prelrshared import PreLRShared
+from precache.methods.rebaseshared import ReBaseShared
+
+METHODS = ("nonshared", "fullshared", "baseshared", "prelrshared", "rebaseshared-lp", "rebaseshared-db")
+
+
+def make_method(name: str, model, adapters) -> SharingMethod:
+    """Build the sharing method called ``name`` (one of :data:`METHODS`).
+
+    Raises:
+        UnknownMethodError: ``name`` is not a method.
+    """
+    key = name.lower().replace("_", "-")
+    if key == "rebaseshared":
+        key = "rebaseshared-lp"
+    simple = {"nonshared": NonShared, "fullshared": FullShared, "baseshared": BaseShared, "prelrshared": PreLRShared}
+    if key in simple:
+        return simple[key](model, adapters)
+    if key.startswith("rebaseshared-"):
+        schedule = key.split("-", 1)[1]
+        if schedule in ("lp", "db"):
+            return ReBaseShared(model, adapters, schedule=schedule)
+    raise UnknownMethodError(f"unknown sharing method '{name}' (methods: {', '.join(METHODS)})")
+
+
+__all__ = ["METHODS", "CacheState", "SharingMethod", "make_method"]

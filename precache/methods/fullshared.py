@@ -1,0 +1,25 @@
+"""FullShared: one full KV cache, each token written once with its author's adapter.
+
+The compute limit the shared methods approach: every token is prefilled exactly once. The
+other agents read the author's adapted K/V unchanged, which is where its fidelity loss comes from.
+"""
+
+from __future__ import annotations
+
+from precache.cache.plan import FullWrite, RowPlan, View
+from precache.methods.base import CacheState, SharingMethod
+
+
+class FullShared(SharingMethod):
+    name = "fullshared"
+
+    def new_state(self) -> CacheState:
+        return CacheState(full={"shared": self.new_kv_store()})
+
+    def cached_length(self, state: CacheState) -> int:
+        return state.full["shared"].length
+
+    def plans(self, state, agent, token_ids, pos0):
+        shared = state.full["shared"]
+        end = pos0 + len(token_ids)
+        return [RowPlan(token_ids, pos0, self.adapter(agent), [FullWrite(shared)], [View(shared, 0, end)])]

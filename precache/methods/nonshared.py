@@ -1,0 +1,36 @@
+"""NonShared: every agent keeps its own full KV cache from its own adapted forward.
+
+At its honest best (DESIGN.md): an agent keeps its cache across turns and prefills only what the
+other agents added since its last turn, so N agents read each token at most N times.
+"""
+
+from __future__ import annotations
+
+from precache.cache.plan import FullWrite, RowPlan, View
+from precache.methods.base import CacheState, SharingMethod
+
+_BASE_KEY = "<base>"
+
+
+class NonShared(SharingMethod):
+    name = "nonshared"
+
+    def new_state(self) -> CacheState:
+        return CacheState(full={a: self.new_kv_store() for a in [*self.adapters, _BASE_KEY]})
+
+    def _own(self, state: CacheState, agent: str | None):
+        return state.full[_BASE_KEY if agent is None else agent]
+
+    def cached_length(self, state: CacheState) -> int:
+        return max(s.length for s in state.full.values())
+
+    def prefill_start(self, state: CacheState, agent: str | None) -> int:
+        return self._own(state, agent).length
+
+    def plans(self, state, agent, token_ids, pos0):
+        own = self._own(state, agent)
+        end = pos0 + len(token_ids)
+        return [RowPlan(token_ids, pos0, self.adapter(agent), [FullWrite(own)], [View(own, 0, end)])]
+
+    def check(self, state: CacheState) -> None:
+        return None  # each agent's cache covers the prefix it has read; no cross-store invariant

