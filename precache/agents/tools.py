@@ -60,7 +60,8 @@ def parse_action(text: str) -> tuple[str, str] | None:
     return match.group(1), match.group(2).strip()
 
 
-def _norm_title(text: str) -> str:
+def normalize_title(text: str) -> str:
+    """Lower-case, punctuation removed, whitespace collapsed: ``" Badr  Hari."`` -> ``"badr hari"``."""
     return " ".join(text.lower().translate(_PUNCT_TABLE).split())
 
 
@@ -112,14 +113,14 @@ class ToolEnv:
         parentheticals removed (``"Hari (boxer)"``); the closest title by difflib ratio
         >= ``NEAR_TITLE_RATIO``; else BM25 over title + text. None when nothing matches.
         """
-        target = _norm_title(entity)
-        normalised = {title: _norm_title(title) for title in self._titles}
+        target = normalize_title(entity)
+        normalised = {title: normalize_title(title) for title in self._titles}
         for title, norm in normalised.items():
             if norm == target:
                 return title
-        bare_target = _norm_title(_PARENTHETICAL_RE.sub("", entity))
+        bare_target = normalize_title(_PARENTHETICAL_RE.sub("", entity))
         for title in self._titles:
-            if _norm_title(_PARENTHETICAL_RE.sub("", title)) == bare_target:
+            if normalize_title(_PARENTHETICAL_RE.sub("", title)) == bare_target:
                 return title
         ratios = {t: difflib.SequenceMatcher(None, n, target).ratio() for t, n in normalised.items()}
         best = max(ratios, key=ratios.get)

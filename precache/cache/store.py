@@ -74,6 +74,7 @@ class KVStore(_Growable):
 
     def kv(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of keys and values at positions ``[start, end)``: ``[end - start, n_kv_heads, head_dim]``."""
+        self.reserve(self.offset + 1)  # allocates on first use, so empty ranges read as empty tensors
         i, j = start - self.offset, end - self.offset
         return self.buffers[0][layer][i:j], self.buffers[1][layer][i:j]
 
@@ -99,5 +100,6 @@ class LRStore(_Growable):
 
     def lr(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of ``Lk`` ``[end - start, r_k]`` and ``Lv`` ``[end - start, r_v]``."""
+        self.reserve(self.offset + 1)  # allocates on first use, so empty ranges read as empty tensors
         i, j = start - self.offset, end - self.offset
         return self.buffers[0][layer][i:j], self.buffers[1][layer][i:j]

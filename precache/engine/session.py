@@ -18,7 +18,8 @@ from precache.errors import ContextLengthError, EmptyRequestError, UnknownAdapte
 class Turn:
     """One agent's turn. Times in seconds; ``prefill_tokens`` counts every row of the prefill
     forward (ReBaseShared DB's neutral row included); ``neutral_tokens``/``neutral_s`` are LP's
-    post-turn neutral pass, which runs outside the next turn's TTFT."""
+    post-turn neutral pass, which runs outside the next turn's TTFT. ``start`` is the first position
+    the turn prefilled; ``first_logits`` ``[vocab]`` the fp32 logits the first token was sampled from."""
 
     agent: str | None
     token_ids: list[int]
@@ -30,6 +31,7 @@ class Turn:
     neutral_tokens: int = 0
     neutral_s: float = 0.0
     start: int = 0
+    first_logits: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def latency_s(self) -> float:
@@ -184,7 +186,7 @@ class Session:
         t0 = time.perf_counter()
         logits, start, prefill_tokens = self._prefill(agent)
         out: list[int] = []
-        reason, ttft = "length", 0.0
+        reason, ttft, first_logits = "length", 0.0, logits
         while True:
             token = sample(logits, params, gen)
             out.append(token)
@@ -205,7 +207,7 @@ class Session:
             self.peak_bytes = max(self.peak_bytes, self.method.cache_bytes(self.state)["total"])
         self.last_turn = Turn(
             agent, out, self.engine.decode(out), ttft, t1 - t0 - ttft, prefill_tokens, reason or "length",
-            sum(len(p.token_ids) for p in post), time.perf_counter() - t1, start,
+            sum(len(p.token_ids) for p in post), time.perf_counter() - t1, start, first_logits,
         )
 
     def _stop_reason(self, out: list[int], params: SamplingParams) -> str | None:

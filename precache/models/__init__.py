@@ -32,11 +32,21 @@ def load_model(
         hf_config = AutoConfig.from_pretrained(folder)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{folder}/config.json cannot be read: {exc}") from exc
-    config = ModelConfig.from_hf(hf_config)
+    ModelConfig.from_hf(hf_config)  # refuse other architectures before loading weights
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    state = {k: v.detach().to(device) if device else v.detach() for k, v in hf_model.state_dict().items()}
     tokenizer = AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None
-    return LlamaModel(config, hf_model.config, state, tokenizer, folder)
+    return model_from_hf(hf_model, tokenizer, folder, device)
+
+
+def model_from_hf(hf_model, tokenizer=None, path: str | os.PathLike = "", device: str | None = None) -> LlamaModel:
+    """Our forward over the weights of an HF ``*ForCausalLM`` module (tensors shared, not copied).
+
+    Raises:
+        ModelLoadError: not a Llama-family architecture.
+    """
+    config = ModelConfig.from_hf(hf_model.config)
+    state = {k: v.detach().to(device) if device else v.detach() for k, v in hf_model.state_dict().items()}
+    return LlamaModel(config, hf_model.config, state, tokenizer, path)
 
 
 __all__ = [
@@ -48,4 +58,5 @@ __all__ = [
     "dense_logits",
     "embedded_checkpoint",
     "load_model",
+    "model_from_hf",
 ]

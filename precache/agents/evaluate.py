@@ -1,0 +1,87 @@
+"""Evaluate the agents on HotpotQA questions: EM, F1, TTFT, and agreement with a reference method.
+
+Agreement is the share of questions whose final answers are equal after answer normalisation
+between the evaluated method and the reference (NonShared, the exact per-agent computation):
+a lossless sharing method should agree on nearly every question under greedy decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from statistics import mean
+
+from tqdm import tqdm
+
+from precache.agents.data import Question
+from precache.agents.loop import AgentSession, Episode, run_episode
+from precache.agents.scoring import normalize_answer
+
+logger = logging.getLogger(__name__)
+
+
+def summarize(episodes: list[Episode], reference: list[Episode] | None = None) -> dict:
+    """Aggregate episodes: mean EM / F1, mean TTFT (seconds) and prefill tokens per agent, stop reasons.
+
+    With ``reference`` (same questions, same order), adds ``agreement``: the share of equal
+    normalised final answers.
+
+    Raises:
+        ValueError: ``reference`` covers other questions.
+    """
+    summary: dict = {
+        "questions": len(episodes),
+        "em": mean(e.em for e in episodes) if episodes else 0.0,
+        "f1": mean(e.f1 for e in episodes) if episodes else 0.0,
+        "stop_reasons": dict(Counter(e.stop_reason for e in episodes)),
+        "mean_steps": mean(e.steps for e in episodes) if episodes else 0.0,
+        "agents": {},
+    }
+    turns_by_agent: dict[str, list] = {}
+    for episode in episodes:
+        for turn in episode.turns:
+            turns_by_agent.setdefault(turn.agent, []).append(turn)
+    for agent, turns in sorted(turns_by_agent.items()):
+        summary["agents"][agent] = {
+            "turns": len(turns),
+            "mean_ttft_s": mean(t.ttft_s for t in turns),
+            "mean_prefill_tokens": mean(t.prefill_tokens for t in turns),
+            "mean_decode_s": mean(t.decode_s for t in turns),
+        }
+    if reference is not None:
+        if [e.question_id for e in reference] != [e.question_id for e in episodes]:
+            raise ValueError("reference episodes cover other questions than the evaluated ones")
+        same = [
+            normalize_answer(a.answer) == normalize_answer(b.answer)
+            for a, b in zip(episodes, reference, strict=True)
+        ]
+        summary["agreement"] = mean(same) if same else 0.0
+    return summary
+
+
+def evaluate(
+    new_session: Callable[[], AgentSession],
+    questions: list[Question],
+    reference_session: Callable[[], AgentSession] | None = None,
+    **episode_kwargs,
+) -> dict:
+    """Run one episode per question (and one per question on the reference, if given).
+
+    ``new_session`` / ``reference_session`` return a fresh engine session per question.
+    Returns ``{"summary": summarize(...), "episodes": [...], "reference_episodes": [...]}``
+    (episodes as dicts).
+    """
+    episodes, reference = [], []
+    for question in tqdm(questions, desc="eval", unit="q"):
+        episodes.append(run_episode(new_session(), question, **episode_kwargs))
+        if reference_session is not None:
+            reference.append(run_episode(reference_session(), question, **episode_kwargs))
+        logger.debug("%s: %r (gold %r)", question.id, episodes[-1].answer, question.answer)
+    result = {
+        "summary": summarize(episodes, reference if reference_session is not None else None),
+        "episodes": [e.to_dict() for e in episodes],
+    }
+    if reference_session is not None:
+        result["reference_episodes"] = [e.to_dict() for e in reference]
+    return result
