@@ -1,0 +1,151 @@
+"""Session facts: prefill cost per method, divergence (DESIGN.md fact 6), bad input, streaming."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import precache
+from precache.errors import ContextLengthError, EmptyRequestError, UnknownAdapterError
+from precache.methods import METHODS
+from tests.test_methods import AGENTS, make_engine, run_script, tiny  # noqa: F401  (fixture)
+
+# the SCRIPT of test_methods: 12 tokens, plan 4, +5, action 3, +4, reflect 3, +3, plan 3, action 2
+# NonShared/BaseShared re-read everything the agent has not seen; the others read new tokens only
+# (each turn's last token is pending, so the next turn reads it first).
+EXPECTED_PREFILL = {
+    "nonshared": [12, 21, 28, 19, 14],
+    "baseshared": [12, 21, 28, 19, 14],
+    "fullshared": [12, 6, 5, 4, 1],
+    "prelrshared": [12, 6, 5, 4, 1],
+    "rebaseshared-lp": [12, 6, 5, 4, 1],
+    "rebaseshared-db": [24, 12, 10, 8, 2],  # the neutral row rides in the same forward
+}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_prefill_tokens_per_turn(tiny, method):
+    model, dirs, _ = tiny
+    s, turns = run_script(make_engine(model, dirs, method))
+    assert [t.prefill_tokens for t in turns] == EXPECTED_PREFILL[method]
+    if method == "rebaseshared-lp":
+        # the neutral pass reads each processed token exactly once, after the turn
+        assert [t.neutral_tokens for t in turns] == [15, 8, 7, 6, 2]
+        assert sum(t.neutral_tokens for t in turns) == s.state.base.length == len(s.token_ids) - 1
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_divergence_cuts_every_cache_to_the_common_prefix(tiny, method):
+    model, dirs, _ = tiny
+    engine = make_engine(model, dirs, method)
+    s, _ = run_script(engine)
+    n = len(s.token_ids)
+    before = [t.clone() for t in s.state.stores()[0].kv(0, 0, 10)] if hasattr(s.state.stores()[0], "kv") else None
+    diverged = s.token_ids[:10] + [7, 7, 7]
+    assert s.sync(diverged) == 10
+    assert s.token_ids == diverged and len(s.authors) == 10
+    for store in s.state.stores():
+        assert store.length <= 10
+    if method in ("prelrshared", "rebaseshared-lp", "rebaseshared-db"):
+        assert s.state.base.length == 10 and all(lr.length == 10 for lr in s.state.lr.values())
+    if before is not None:  # the common prefix is kept as it was
+        after = s.state.stores()[0].kv(0, 0, 10)
+        assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+    s.check()
+    # the session goes on: the next turn equals a fresh session over the same token history
+    turn = s.generate(agent="reflect", max_new_tokens=2)
+    s.check()
+    assert len(turn.token_ids) == 2 and n > 13
+
+
+def test_continuing_after_divergence_matches_a_fresh_session(tiny):
+    model, dirs, _ = tiny
+    engine = make_engine(model, dirs, "prelrshared")
+    a = engine.session()
+    a.append(list(range(20, 40)))
+    a.generate(agent="plan", max_new_tokens=3)
+    a.sync(list(range(20, 40)) + [5, 6, 7])  # drops the plan turn's tokens
+    t_a = a.generate(agent="action", max_new_tokens=4)
+    b = engine.session()
+    b.append(list(range(20, 40)))
+    b.generate(agent="plan", max_new_tokens=1)  # same author for the first 20 tokens
+    b.sync(list(range(20, 40)) + [5, 6, 7])
+    t_b = b.generate(agent="action", max_new_tokens=4)
+    assert t_a.token_ids == t_b.token_ids
+    assert (t_a.first_logits - t_b.first_logits).abs().max() <= 1e-5
+
+
+def _snapshot(s):
+    return list(s.token_ids), s.cache_bytes()["total"], [st.length for st in s.state.stores()]
+
+
+@pytest.mark.parametrize("method", ["nonshared", "prelrshared", "rebaseshared-db"])
+def test_bad_requests_leave_the_session_unchanged(tiny, method):
+    model, dirs, _ = tiny
+    engine = make_engine(model, dirs, method)
+    empty = engine.session()
+    with pytest.raises(EmptyRequestError, match="trajectory is empty"):
+        empty.generate(agent="plan")
+    s, _ = run_script(engine)
+    snap = _snapshot(s)
+    with pytest.raises(UnknownAdapterError, match="adapter 'critic' is not loaded"):
+        s.generate(agent="critic")
+    with pytest.raises(EmptyRequestError, match="max_new_tokens must be at least 1"):
+        s.generate(agent="plan", max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        s.generate(agent="plan", temperature=-1.0)
+    with pytest.raises(ContextLengthError, match="passes the context length of 256"):
+        s.append(list(range(300)))
+    assert _snapshot(s) == snap
+    s.check()
+    assert len(s.generate(agent="plan", max_new_tokens=2).token_ids) == 2  # still usable
+
+
+def test_generation_stops_at_the_context_length(tiny):
+    model, dirs, _ = tiny
+    engine = make_engine(model, dirs, "prelrshared")
+    s = engine.session()
+    s.append([3] * 250)
+    turn = s.generate(agent="plan", max_new_tokens=20)
+    assert len(turn.token_ids) == 6 and turn.stop_reason == "length" and len(s) == 256
+    with pytest.raises(ContextLengthError, match="256 tokens"):
+        s.generate(agent="plan")
+
+
+def test_stream_yields_the_same_tokens_as_generate(tiny):
+    model, dirs, _ = tiny
+    engine = make_engine(model, dirs, "prelrshared")
+    a, b = engine.session(), engine.session()
+    a.append(list(range(10, 30)))
+    b.append(list(range(10, 30)))
+    streamed = [chunk.token_id for chunk in a.stream(agent="action", max_new_tokens=5)]
+    assert streamed == b.generate(agent="action", max_new_tokens=5).token_ids == a.last_turn.token_ids
+
+
+def test_sampling_with_a_seed_is_reproducible(tiny):
+    model, dirs, _ = tiny
+    engine = make_engine(model, dirs, "fullshared")
+    outs = []
+    for _ in range(2):
+        s = engine.session()
+        s.append(list(range(10, 30)))
+        outs.append(s.generate(agent="plan", max_new_tokens=8, temperature=1.0, top_p=0.9, seed=7).token_ids)
+    assert outs[0] == outs[1]
+
+
+def test_cache_bytes_break_down_by_cache(tiny):
+    model, dirs, _ = tiny
+    c = model.config
+    per_token_kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4  # K and V, fp32
+    s, _ = run_script(make_engine(model, dirs, "prelrshared"))
+    n = s.state.base.length
+    b = s.cache_bytes()
+    assert b["base"] == n * per_token_kv
+    ranks = {"plan": 4, "action": 8, "reflect": 2}  # k and v both adapted
+    assert b["lr"] == {a: n * c.num_layers * 2 * r * 4 for a, r in ranks.items()}
+    assert b["total"] == b["base"] + sum(b["lr"].values()) and b["peak"] >= b["total"]
+    s_ns, _ = run_script(make_engine(model, dirs, "nonshared"))
+    full = s_ns.cache_bytes()["full"]
+    assert full["plan"] == s_ns.state.full["plan"].length * per_token_kv
+    # each agent keeps what it has read: plan 36, action 38 and reflect 30 tokens
+    assert s_ns.cache_bytes()["total"] == (36 + 38 + 30) * per_token_kv
