@@ -49,7 +49,11 @@ def reference_run(model, token_ids, pos0, adapter, prefix, reread=None):
     ref = ReferenceAttention(adapter, prefix, reread)
     T = len(token_ids)
     logits = model.forward(
-        torch.tensor(token_ids), torch.arange(pos0, pos0 + T), [Row(0, T, adapter)], ref, logits_at=list(range(T))
+        torch.tensor(token_ids),
+        torch.arange(pos0, pos0 + T),
+        [Row(0, T, adapter)],
+        ref,
+        logits_at=list(range(T)),
     )
     return logits, ref.h
 

@@ -66,7 +66,8 @@ def test_malformed_weights_file(setup, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "field,value", [("use_dora", True), ("bias", "all"), ("rank_pattern", {"q_proj": 2}), ("modules_to_save", ["lm_head"])]
+    "field,value",
+    [("use_dora", True), ("bias", "all"), ("rank_pattern", {"q_proj": 2}), ("modules_to_save", ["lm_head"])],
 )
 def test_unsupported_options(setup, tmp_path, field, value):
     folder = _copy(setup[2], tmp_path / "x")

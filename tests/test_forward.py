@@ -23,8 +23,12 @@ def test_base_forward_matches_hf(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize(
     "targets,r,rslora",
-    [(("q_proj", "v_proj"), 4, False), (("k_proj", "v_proj"), 8, False), (tuple(ALL_PROJ), 2, False),
-     (tuple(ALL_PROJ), 6, True)],
+    [
+        (("q_proj", "v_proj"), 4, False),
+        (("k_proj", "v_proj"), 8, False),
+        (tuple(ALL_PROJ), 2, False),
+        (tuple(ALL_PROJ), 6, True),
+    ],
 )
 def test_adapter_forward_matches_peft(tmp_path, kind, targets, r, rslora):
     ours, hf = tiny_model(kind)
@@ -40,11 +44,13 @@ def test_adapter_forward_matches_peft(tmp_path, kind, targets, r, rslora):
 def test_mixed_adapter_batch_equals_rows_alone(tmp_path):
     ours, hf = tiny_model("llama")
     a = load_adapter(save_random_adapter(hf, tmp_path / "a", targets=ALL_PROJ, r=4, seed=1), ours.config)
-    b = load_adapter(save_random_adapter(hf, tmp_path / "b", targets=("k_proj", "v_proj"), r=8, seed=2), ours.config)
+    b = load_adapter(
+        save_random_adapter(hf, tmp_path / "b", targets=("k_proj", "v_proj"), r=8, seed=2), ours.config
+    )
     seqs = [IDS, IDS[:7], IDS[3:15], IDS]
     adapters = [a, None, b, b]
     batched = dense_logits(ours, seqs, adapters)
     for seq, adapter, got in zip(seqs, adapters, batched, strict=True):
         alone = dense_logits(ours, [seq], [adapter])[0]
-        assert torch.allclose(got, alone, atol=1e-5), (adapter.name if adapter else None)
+        assert torch.allclose(got, alone, atol=1e-5), adapter.name if adapter else None
     assert (batched[0] - batched[3]).abs().max() > 1e-2  # rows with different adapters really differ

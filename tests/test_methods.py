@@ -6,58 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-import precache
 from precache.methods import METHODS
 from tests.reference import agent_view, reference_run
-from tests.tiny import save_random_adapter, tiny_model
+from tests.tiny import AGENTS, SCRIPT, make_engine, run_script
 
-AGENTS = ("plan", "action", "reflect")
 TOL = 1e-4
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal to float accumulation order: decode steps and batched references sum differently."""
     return torch.allclose(a, b, atol=1e-4, rtol=1e-4)
-# (what, argument): append n fresh tokens, or a greedy turn of an agent with max_new_tokens
-SCRIPT = [("append", 12), ("plan", 4), ("append", 5), ("action", 3), ("append", 4), ("reflect", 3),
-          ("append", 3), ("plan", 3), ("action", 2)]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    model, hf = tiny_model("llama", seed=0, num_layers=3)
-    root = tmp_path_factory.mktemp("adapters")
-    targets = ("q_proj", "k_proj", "v_proj", "o_proj")
-    dirs = {a: save_random_adapter(hf, root / a, targets=targets, r=r, seed=i + 1)
-            for i, (a, r) in enumerate(zip(AGENTS, (4, 8, 2), strict=True))}
-    zero = {a: save_random_adapter(hf, root / f"zero-{a}", targets=targets, r=4, seed=i + 7, zero_b=True)
-            for i, a in enumerate(AGENTS)}
-    return model, dirs, zero
-
-
-def make_engine(model, dirs, method):
-    engine = precache.Engine(model, adapters=dirs, method=method)
-    engine.eos_token_ids = frozenset()  # fixed turn lengths: no early EOS on a random model
-    return engine
-
-
-def run_script(engine, script=SCRIPT, on_turn=None):
-    """Replay ``script``; return the turns. ``on_turn(session, agent, before)`` is called before a
-    turn and returns a callback taking the turn."""
-    s = engine.session()
-    gen = torch.Generator().manual_seed(123)
-    turns = []
-    for what, n in script:
-        if what == "append":
-            s.append(torch.randint(0, 90, (n,), generator=gen).tolist())
-            continue
-        after = on_turn(s, what) if on_turn else None
-        turn = s.generate(agent=what, max_new_tokens=n, temperature=0.0)
-        turns.append(turn)
-        s.check()
-        if after:
-            after(turn)
-    return s, turns
 
 
 def check_turn_against_reference(method_name):
@@ -70,8 +28,10 @@ def check_turn_against_reference(method_name):
         prefix = agent_view(m, st, agent, start)
         reread = None
         if method_name == "baseshared" and st.base.length > start:
-            reread = [tuple(t.clone() for t in st.base.kv(layer, start, st.base.length))
-                      for layer in range(m.model.config.num_layers)]
+            reread = [
+                tuple(t.clone() for t in st.base.kv(layer, start, st.base.length))
+                for layer in range(m.model.config.num_layers)
+            ]
 
         def after(turn):
             processed = s.token_ids[start : n_before + len(turn.token_ids) - 1]
@@ -115,12 +75,23 @@ def check_segment_caches(method_name, s, agent, h, start, end, n_before):
 def test_each_turn_matches_brute_force_reference(tiny, method):
     model, dirs, _ = tiny
     s, turns = run_script(make_engine(model, dirs, method), on_turn=check_turn_against_reference(method))
-    assert len(turns) == 5 and all(len(t.token_ids) == n for t, (w, n) in zip(turns, [x for x in SCRIPT if x[0] != "append"], strict=True))
+    assert len(turns) == 5 and all(
+        len(t.token_ids) == n
+        for t, (w, n) in zip(turns, [x for x in SCRIPT if x[0] != "append"], strict=True)
+    )
 
 
 def _neutral_reference(model, token_ids):
-    return reference_run(model, token_ids, 0, None, [(torch.zeros(0, model.config.num_kv_heads, model.config.head_dim),) * 2
-                                                      for _ in range(model.config.num_layers)])
+    return reference_run(
+        model,
+        token_ids,
+        0,
+        None,
+        [
+            (torch.zeros(0, model.config.num_kv_heads, model.config.head_dim),) * 2
+            for _ in range(model.config.num_layers)
+        ],
+    )
 
 
 @pytest.mark.parametrize("method", ["rebaseshared-lp", "rebaseshared-db"])

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import precache
 from precache.errors import ContextLengthError, EmptyRequestError, UnknownAdapterError
 from precache.methods import METHODS
-from tests.test_methods import AGENTS, make_engine, run_script, tiny  # noqa: F401  (fixture)
+from tests.tiny import make_engine, run_script
 
 # the SCRIPT of test_methods: 12 tokens, plan 4, +5, action 3, +4, reflect 3, +3, plan 3, action 2
 # NonShared/BaseShared re-read everything the agent has not seen; the others read new tokens only
@@ -40,7 +39,9 @@ def test_divergence_cuts_every_cache_to_the_common_prefix(tiny, method):
     engine = make_engine(model, dirs, method)
     s, _ = run_script(engine)
     n = len(s.token_ids)
-    before = [t.clone() for t in s.state.stores()[0].kv(0, 0, 10)] if hasattr(s.state.stores()[0], "kv") else None
+    before = (
+        [t.clone() for t in s.state.stores()[0].kv(0, 0, 10)] if hasattr(s.state.stores()[0], "kv") else None
+    )
     diverged = s.token_ids[:10] + [7, 7, 7]
     assert s.sync(diverged) == 10
     assert s.token_ids == diverged and len(s.authors) == 10

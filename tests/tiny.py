@@ -9,6 +9,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
+import precache
 from precache.models import model_from_hf
 
 _COMMON = dict(
@@ -32,8 +33,14 @@ def tiny_hf_config(kind: str = "llama"):
     if kind == "llama":
         return LlamaConfig(**_COMMON)
     if kind == "llama3":
-        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
         return LlamaConfig(**_COMMON, rope_parameters=rope)
     if kind == "mistral":
         return MistralConfig(**_COMMON, sliding_window=None)
@@ -66,12 +73,27 @@ def tiny_model(kind: str = "llama", seed: int = 0, num_layers: int | None = None
     return model_from_hf(hf), hf
 
 
-def save_random_adapter(hf_model, path: Path, targets=("q_proj", "v_proj"), r: int = 4, alpha: int = 8,
-                        seed: int = 1, scale: float = 0.3, use_rslora: bool = False, zero_b: bool = False) -> Path:
+def save_random_adapter(
+    hf_model,
+    path: Path,
+    targets=("q_proj", "v_proj"),
+    r: int = 4,
+    alpha: int = 8,
+    seed: int = 1,
+    scale: float = 0.3,
+    use_rslora: bool = False,
+    zero_b: bool = False,
+) -> Path:
     """Save a PEFT LoRA adapter with random non-zero A and B (or B = 0) for ``hf_model``."""
     torch.manual_seed(seed)
-    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora,
-                     init_lora_weights=False, lora_dropout=0.0)
+    cfg = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        target_modules=list(targets),
+        use_rslora=use_rslora,
+        init_lora_weights=False,
+        lora_dropout=0.0,
+    )
     peft_model = get_peft_model(copy.deepcopy(hf_model), cfg)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -85,6 +107,57 @@ def save_random_adapter(hf_model, path: Path, targets=("q_proj", "v_proj"), r: i
 
 def peft_logits(hf_model, adapter_dir: Path | None, ids: list[int]) -> torch.Tensor:
     """Oracle: HF (+ PEFT) logits ``[len(ids), vocab]`` of one sequence."""
-    model = hf_model if adapter_dir is None else PeftModel.from_pretrained(copy.deepcopy(hf_model), str(adapter_dir))
+    model = (
+        hf_model
+        if adapter_dir is None
+        else PeftModel.from_pretrained(copy.deepcopy(hf_model), str(adapter_dir))
+    )
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
+
+
+AGENTS = ("plan", "action", "reflect")
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal to float accumulation order: decode steps and batched references sum differently."""
+    return torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+# (what, argument): append n fresh tokens, or a greedy turn of an agent with max_new_tokens
+SCRIPT = [
+    ("append", 12),
+    ("plan", 4),
+    ("append", 5),
+    ("action", 3),
+    ("append", 4),
+    ("reflect", 3),
+    ("append", 3),
+    ("plan", 3),
+    ("action", 2),
+]
+
+
+def make_engine(model, dirs, method):
+    engine = precache.Engine(model, adapters=dirs, method=method)
+    engine.eos_token_ids = frozenset()  # fixed turn lengths: no early EOS on a random model
+    return engine
+
+
+def run_script(engine, script=SCRIPT, on_turn=None):
+    """Replay ``script``; return the turns. ``on_turn(session, agent, before)`` is called before a
+    turn and returns a callback taking the turn."""
+    s = engine.session()
+    gen = torch.Generator().manual_seed(123)
+    turns = []
+    for what, n in script:
+        if what == "append":
+            s.append(torch.randint(0, 90, (n,), generator=gen).tolist())
+            continue
+        after = on_turn(s, what) if on_turn else None
+        turn = s.generate(agent=what, max_new_tokens=n, temperature=0.0)
+        turns.append(turn)
+        s.check()
+        if after:
+            after(turn)
+    return s, turns

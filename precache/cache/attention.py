@@ -40,7 +40,11 @@ def _causal_mask(q_start: int, n_queries: int, segments: list[Segment], device) 
 
 def _sdpa(q: torch.Tensor, q_start: int, seg: Segment) -> torch.Tensor:
     T = q.shape[0]
-    mask = None if T == 1 and seg.start + seg.k.shape[0] <= q_start + 1 else _causal_mask(q_start, T, [seg], q.device)
+    mask = (
+        None
+        if T == 1 and seg.start + seg.k.shape[0] <= q_start + 1
+        else _causal_mask(q_start, T, [seg], q.device)
+    )
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         seg.k.transpose(0, 1).unsqueeze(0),
@@ -85,4 +89,6 @@ def attend(q: torch.Tensor, q_start: int, segments: list[Segment]) -> torch.Tens
     T = q.shape[0]
     if T <= QUERY_BLOCK:
         return _explicit(q, q_start, segments)
-    return torch.cat([_explicit(q[i : i + QUERY_BLOCK], q_start + i, segments) for i in range(0, T, QUERY_BLOCK)])
+    return torch.cat(
+        [_explicit(q[i : i + QUERY_BLOCK], q_start + i, segments) for i in range(0, T, QUERY_BLOCK)]
+    )

@@ -72,7 +72,9 @@ class RowPlan:
         return self.pos0 + len(self.token_ids)
 
 
-def lr_entries(x: LayerInput, sl: slice, adapter: LoRAAdapter) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def lr_entries(
+    x: LayerInput, sl: slice, adapter: LoRAAdapter
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(h A^k [T, r], h A^v [T, r])`` of tokens ``sl``; None where the adapter skips k or v."""
     h, layer = x.h[sl], x.layer
     lk = adapter.down(h, layer, "k_proj") if adapter.has(layer, "k_proj") else None
@@ -153,7 +155,9 @@ def run_plans(model, plans: list[RowPlan]) -> list[torch.Tensor | None]:
     ids = torch.tensor([t for p in plans for t in p.token_ids], device=model.device)
     positions = torch.cat([torch.arange(p.pos0, p.end, device=model.device) for p in plans])
     wanted = [i for i, p in enumerate(plans) if p.want_logits]
-    logits = model.forward(ids, positions, rows, PlannedAttention(plans), logits_at=[rows[i].end - 1 for i in wanted])
+    logits = model.forward(
+        ids, positions, rows, PlannedAttention(plans), logits_at=[rows[i].end - 1 for i in wanted]
+    )
     commit_plans(plans)
     result: list[torch.Tensor | None] = [None] * len(plans)
     for j, i in enumerate(wanted):

@@ -62,8 +62,12 @@ class KVStore(_Growable):
     Holds a shared base cache, or an agent's full KV cache (NonShared, FullShared).
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device=None, offset: int = 0):
-        super().__init__(num_layers, [(num_kv_heads, head_dim), (num_kv_heads, head_dim)], dtype, device, offset)
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device=None, offset: int = 0
+    ):
+        super().__init__(
+            num_layers, [(num_kv_heads, head_dim), (num_kv_heads, head_dim)], dtype, device, offset
+        )
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``, ``v`` ``[T, n_kv_heads, head_dim]`` at positions ``[start, start + T)``."""

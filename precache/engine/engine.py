@@ -26,8 +26,12 @@ class Engine:
         AdapterError: an adapter folder is missing, malformed, or does not fit the model.
     """
 
-    def __init__(self, model=None, adapters: dict[str, str | os.PathLike | LoRAAdapter] | None = None,
-                 method: str = "prelrshared"):
+    def __init__(
+        self,
+        model=None,
+        adapters: dict[str, str | os.PathLike | LoRAAdapter] | None = None,
+        method: str = "prelrshared",
+    ):
         from precache.methods import METHODS
         from precache.models import load_model
 
@@ -39,14 +43,19 @@ class Engine:
         for name, src in (adapters or {}).items():
             if not isinstance(name, str) or not name:
                 raise AdapterError(f"adapter names must be non-empty strings, got {name!r}")
-            adapter = src if isinstance(src, LoRAAdapter) else load_adapter(Path(src), self.model.config, name)
+            adapter = (
+                src if isinstance(src, LoRAAdapter) else load_adapter(Path(src), self.model.config, name)
+            )
             self.adapters[name] = adapter.to(self.model.dtype, self.model.device)
         self.method = make_method(method, self.model, self.adapters)
         self.eos_token_ids = self._eos_ids()
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
-        for src in (getattr(self.model.hf_config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+        for src in (
+            getattr(self.model.hf_config, "eos_token_id", None),
+            getattr(self.tokenizer, "eos_token_id", None),
+        ):
             if isinstance(src, int):
                 ids.add(src)
             elif isinstance(src, list | tuple):
@@ -80,4 +89,4 @@ class Engine:
     def decode_piece(self, token_ids: list[int]) -> str:
         """Text the last token of ``token_ids`` adds (context of a few tokens for multi-byte pieces)."""
         tail = token_ids[-6:]
-        return self.decode(tail)[len(self.decode(tail[:-1])):]
+        return self.decode(tail)[len(self.decode(tail[:-1])) :]

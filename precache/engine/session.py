@@ -206,8 +206,17 @@ class Session:
             run_plans(self.engine.model, post)
             self.peak_bytes = max(self.peak_bytes, self.method.cache_bytes(self.state)["total"])
         self.last_turn = Turn(
-            agent, out, self.engine.decode(out), ttft, t1 - t0 - ttft, prefill_tokens, reason or "length",
-            sum(len(p.token_ids) for p in post), time.perf_counter() - t1, start, first_logits,
+            agent,
+            out,
+            self.engine.decode(out),
+            ttft,
+            t1 - t0 - ttft,
+            prefill_tokens,
+            reason or "length",
+            sum(len(p.token_ids) for p in post),
+            time.perf_counter() - t1,
+            start,
+            first_logits,
         )
 
     def _stop_reason(self, out: list[int], params: SamplingParams) -> str | None:

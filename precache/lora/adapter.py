@@ -66,10 +66,15 @@ class LoRAAdapter:
         return self.up(self.down(x, layer, proj), layer, proj)
 
     def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+        return sum(
+            a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values()
+        )
 
     def to(self, dtype: torch.dtype, device=None) -> LoRAAdapter:
-        weights = {k: (a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype)) for k, (a, b) in self.weights.items()}
+        weights = {
+            k: (a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
+            for k, (a, b) in self.weights.items()
+        }
         return LoRAAdapter(self.name, self.rank, self.alpha, self.scaling, self.targets, weights, self.path)
 
 
@@ -140,7 +145,9 @@ def load_adapter(path: str | Path, model_config: ModelConfig, name: str | None =
         if proj not in PROJECTIONS:
             raise AdapterError(f"{file}: tensor '{key}' targets '{proj}', not one of {PROJECTIONS}")
         if layer >= model_config.num_layers:
-            raise AdapterError(f"{file}: tensor '{key}' names layer {layer}, the model has {model_config.num_layers}")
+            raise AdapterError(
+                f"{file}: tensor '{key}' names layer {layer}, the model has {model_config.num_layers}"
+            )
         pairs.setdefault((layer, proj), {})[which] = tensor
     weights = {}
     for (layer, proj), ab in sorted(pairs.items()):

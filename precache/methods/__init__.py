@@ -22,7 +22,12 @@ def make_method(name: str, model, adapters) -> SharingMethod:
     key = name.lower().replace("_", "-")
     if key == "rebaseshared":
         key = "rebaseshared-lp"
-    simple = {"nonshared": NonShared, "fullshared": FullShared, "baseshared": BaseShared, "prelrshared": PreLRShared}
+    simple = {
+        "nonshared": NonShared,
+        "fullshared": FullShared,
+        "baseshared": BaseShared,
+        "prelrshared": PreLRShared,
+    }
     if key in simple:
         return simple[key](model, adapters)
     if key.startswith("rebaseshared-"):

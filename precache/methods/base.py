@@ -132,4 +132,6 @@ class SharingMethod(ABC):
         n = self.cached_length(state)
         for a, store in state.lr.items():
             if store.length != n:
-                raise CacheIntegrityError(f"{self.name}: LR cache of '{a}' has {store.length} tokens, base has {n}")
+                raise CacheIntegrityError(
+                    f"{self.name}: LR cache of '{a}' has {store.length} tokens, base has {n}"
+                )

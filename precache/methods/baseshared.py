@@ -31,7 +31,9 @@ class BaseShared(SharingMethod):
             return [RowPlan(token_ids, pos0, None, writes, [View(state.base, 0, end)])]
         adapter = self.adapters[agent]
         writes.append(LRWrite(state.lr[agent], adapter))
-        return [RowPlan(token_ids, pos0, adapter, writes, [View(state.base, 0, end, state.lr[agent], adapter)])]
+        return [
+            RowPlan(token_ids, pos0, adapter, writes, [View(state.base, 0, end, state.lr[agent], adapter)])
+        ]
 
     def check(self, state: CacheState) -> None:
         for a, store in state.lr.items():

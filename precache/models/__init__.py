@@ -34,11 +34,15 @@ def load_model(
         raise ModelLoadError(f"{folder}/config.json cannot be read: {exc}") from exc
     ModelConfig.from_hf(hf_config)  # refuse other architectures before loading weights
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None
+    tokenizer = (
+        AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None
+    )
     return model_from_hf(hf_model, tokenizer, folder, device)
 
 
-def model_from_hf(hf_model, tokenizer=None, path: str | os.PathLike = "", device: str | None = None) -> LlamaModel:
+def model_from_hf(
+    hf_model, tokenizer=None, path: str | os.PathLike = "", device: str | None = None
+) -> LlamaModel:
     """Our forward over the weights of an HF ``*ForCausalLM`` module (tensors shared, not copied).
 
     Raises:

