@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-#: queries per block in the explicit-softmax path, bounding the score matrix on long prefills
-QUERY_BLOCK = 512
+#: rows of up to this many queries use the explicit softmax when they read an LR term or several segments
+DECODE_MAX = 4
 
 
 @dataclass
@@ -38,21 +38,46 @@ def _causal_mask(q_start: int, n_queries: int, segments: list[Segment], device) 
     return key_pos[None, :] <= q_pos[:, None]
 
 
-def _sdpa(q: torch.Tensor, q_start: int, seg: Segment) -> torch.Tensor:
-    T = q.shape[0]
-    mask = (
-        None
-        if T == 1 and seg.start + seg.k.shape[0] <= q_start + 1
-        else _causal_mask(q_start, T, [seg], q.device)
-    )
+def _sdpa(q: torch.Tensor, q_start: int, segments: list[Segment]) -> torch.Tensor:
+    """Fused SDPA over all segments, the LR value terms packed as extra value channels.
+
+    ``V' = [Vb | Lv]`` (``D + r`` channels, ``Lv`` shared by the kv heads) and ``q``, ``K`` are
+    zero-padded to ``D + r`` so that one flash-attention pass yields ``[P Vb | P Lv]``; the scale
+    stays ``1/sqrt(D)``. Full adapted values are never built.
+    """
+    T, Hq, D = q.shape
+    k = segments[0].k if len(segments) == 1 else torch.cat([s.k for s in segments])  # [n, Hkv, D]
+    v = segments[0].v if len(segments) == 1 else torch.cat([s.v for s in segments])
+    n, Hkv = k.shape[0], k.shape[1]
+    lr_blocks, offset, cols = [], 0, []
+    for s in segments:
+        if s.lv is not None:
+            block = torch.zeros(n, s.lv.shape[1], dtype=v.dtype, device=v.device)
+            block[offset : offset + s.k.shape[0]] = s.lv
+            cols.append(block)
+            lr_blocks.append(s)
+        offset += s.k.shape[0]
+    R = sum(c.shape[1] for c in cols)
+    if R:
+        v = torch.cat([v, torch.cat(cols, dim=1)[:, None, :].expand(n, Hkv, R)], dim=-1)
+        q, k = F.pad(q, (0, R)), F.pad(k, (0, R))
+    key_end = segments[-1].start + segments[-1].k.shape[0]
+    mask = None if T == 1 and key_end <= q_start + 1 else _causal_mask(q_start, T, segments, q.device)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
-        seg.k.transpose(0, 1).unsqueeze(0),
-        seg.v.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
         attn_mask=mask,
         enable_gqa=True,
-    )  # [1, Hq, T, D]
-    return out[0].transpose(0, 1).reshape(T, -1)
+        scale=1.0 / math.sqrt(D),
+    )[0]  # [Hq, T, D + R]
+    result, col = out[..., :D], D
+    for s in lr_blocks:
+        r = s.lv.shape[1]
+        bv = s.bv.view(r, Hkv, D).transpose(0, 1).repeat_interleave(Hq // Hkv, dim=0)  # [Hq, r, D]
+        result = result + s.scaling * (out[..., col : col + r] @ bv)  # s (P Lv) B^v
+        col += r
+    return result.transpose(0, 1).reshape(T, Hq * D)
 
 
 def _explicit(q: torch.Tensor, q_start: int, segments: list[Segment]) -> torch.Tensor:
@@ -81,14 +106,10 @@ def attend(q: torch.Tensor, q_start: int, segments: list[Segment]) -> torch.Tens
     """Causal attention of queries ``q`` ``[T, n_heads, head_dim]`` at positions ``[q_start, q_start + T)``.
 
     GQA: query head ``h`` reads kv head ``h // (n_heads / n_kv_heads)`` (HF ``repeat_kv`` order).
-    Returns ``[T, n_heads * head_dim]``. One plain segment runs PyTorch SDPA; several segments or an
-    LR value term run an explicit softmax in blocks of :data:`QUERY_BLOCK` queries.
+    Returns ``[T, n_heads * head_dim]``. Decode steps (``T <= DECODE_MAX``) with several segments
+    or an LR term run an explicit softmax that reads the segments in place; everything else runs
+    one fused SDPA pass (:func:`_sdpa`), which on long prefills is several times faster.
     """
-    if len(segments) == 1 and segments[0].lv is None:
-        return _sdpa(q, q_start, segments[0])
-    T = q.shape[0]
-    if T <= QUERY_BLOCK:
+    if q.shape[0] <= DECODE_MAX and (len(segments) > 1 or segments[0].lv is not None):
         return _explicit(q, q_start, segments)
-    return torch.cat(
-        [_explicit(q[i : i + QUERY_BLOCK], q_start + i, segments) for i in range(0, T, QUERY_BLOCK)]
-    )
+    return _sdpa(q, q_start, segments)
