@@ -1,0 +1,112 @@
+"""``precache demo``: one dev question answered by the plan / action / reflect adapters under
+NonShared, PreLRShared and ReBaseShared, side by side (answer, EM, sum of TTFT, KV bytes, speed-up)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from rich.console import Console
+from rich.table import Table
+
+logger = logging.getLogger(__name__)
+
+DEMO_METHODS = ("nonshared", "prelrshared", "rebaseshared-lp")
+
+
+def run_demo(
+    question_id: str | None = None,
+    adapter_set: str = "qv",
+    methods=DEMO_METHODS,
+    console: Console | None = None,
+) -> list[dict]:
+    """Run one episode per method on the same dev question; return one result row per method.
+
+    Row fields: ``method``, ``answer``, ``em``, ``f1``, ``ttft_sum_s``, ``latency_s`` (turn latencies,
+    LP's neutral pass included), ``prefill_tokens``, ``kv_peak_bytes``, ``turns``.
+
+    Raises:
+        AdapterError: the committed adapter set is missing (run ``precache adapters train``).
+    """
+    import precache
+    from precache.agents.cli import ADAPTER_ROOT
+    from precache.agents.data import get_question, load_questions
+    from precache.agents.loop import run_episode
+    from precache.agents.prompt import ROLES
+
+    console = console or Console()
+    model = precache.load_model()
+    question = get_question(question_id) if question_id else load_questions("dev")[0]
+    console.print(
+        f"[bold]Question[/] {question.id}: {question.question}\n[bold]Gold answer[/]: {question.answer}\n"
+    )
+    adapters = {role: ADAPTER_ROOT / adapter_set / role for role in ROLES}
+    rows = []
+    for method in methods:
+        engine = precache.Engine(model, adapters=adapters, method=method)
+        session = engine.session()
+        turns = []
+        with console.status(f"{method}: running the episode"):
+            episode = run_episode(session, question, on_turn=turns.append)
+        rows.append(
+            {
+                "method": method,
+                "answer": episode.answer,
+                "em": episode.em,
+                "f1": episode.f1,
+                "ttft_sum_s": sum(t.ttft_s for t in turns),
+                "latency_s": episode.wall_s,
+                "prefill_tokens": sum(t.prefill_tokens for t in turns),
+                "kv_peak_bytes": session.cache_bytes()["peak"],
+                "turns": len(turns),
+            }
+        )
+        logger.info("%s: %d turns, answer %r", method, len(turns), episode.answer)
+    console.print(_table(rows))
+    return rows
+
+
+def _table(rows: list[dict]) -> Table:
+    base = rows[0]
+    table = Table(title=f"One HotpotQA dev question, speed-up over {base['method']}")
+    for col in (
+        "method",
+        "answer",
+        "EM",
+        "F1",
+        "turns",
+        "prefill tok",
+        "sum TTFT (s)",
+        "TTFT speed-up",
+        "KV peak (MB)",
+        "KV vs base",
+    ):
+        table.add_column(col, justify="left" if col in ("method", "answer") else "right")
+    for r in rows:
+        table.add_row(
+            r["method"],
+            r["answer"][:40],
+            f"{r['em']:.0f}",
+            f"{r['f1']:.2f}",
+            str(r["turns"]),
+            str(r["prefill_tokens"]),
+            f"{r['ttft_sum_s']:.2f}",
+            f"{base['ttft_sum_s'] / max(r['ttft_sum_s'], 1e-9):.2f}x",
+            f"{r['kv_peak_bytes'] / 2**20:.1f}",
+            f"{r['kv_peak_bytes'] / max(base['kv_peak_bytes'], 1):.2f}x",
+        )
+    return table
+
+
+def _demo(args: argparse.Namespace) -> int:
+    run_demo(args.question, args.adapters)
+    return 0
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser(
+        "demo", help="one dev question under NonShared, PreLRShared and ReBaseShared, side by side"
+    )
+    p.add_argument("--question", default=None, help="HotpotQA id (default: the first dev question)")
+    p.add_argument("--adapters", default="qv", choices=("qv", "all"), help="committed adapter set")
+    p.set_defaults(func=_demo)
