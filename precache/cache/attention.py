@@ -86,8 +86,9 @@ def _explicit(q: torch.Tensor, q_start: int, segments: list[Segment]) -> torch.T
     G = Hq // Hkv
     qh = q.view(T, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * T, D)  # [Hkv, G*T, D]
     scores = torch.cat([qh @ s.k.permute(1, 2, 0) for s in segments], dim=-1) / math.sqrt(D)  # [Hkv, G*T, n]
-    mask = _causal_mask(q_start, T, segments, q.device)  # [T, n]
-    scores = scores.view(Hkv, G, T, -1).masked_fill(~mask, float("-inf")).view(Hkv, G * T, -1)
+    if T > 1 or segments[-1].start + segments[-1].k.shape[0] > q_start + 1:
+        mask = _causal_mask(q_start, T, segments, q.device)  # [T, n]
+        scores = scores.view(Hkv, G, T, -1).masked_fill(~mask, float("-inf")).view(Hkv, G * T, -1)
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     out = torch.zeros(Hkv, G * T, D, dtype=q.dtype, device=q.device)
     col = 0
