@@ -56,7 +56,7 @@ def check_segment_caches(method_name, s, agent, h, start, end, n_before):
     for layer in range(m.model.config.num_layers):
         hl = h[layer]
         if method_name == "prelrshared":
-            kb, vb = m.model.project_kv(layer, hl, cos, sin, None, slice(None))
+            kb, vb = m.model.project_kv(layer, hl, cos, sin)
             k, v = st.base.kv(layer, start, end)
             assert close(k, kb) and close(v, vb)
             agents = AGENTS
@@ -106,7 +106,7 @@ def test_rebaseshared_base_is_the_base_model_cache(tiny, method, order):
     _, h0 = _neutral_reference(model, s.token_ids[:n])
     cos, sin = model.rope.span(0, n)
     for layer in range(model.config.num_layers):
-        kb, vb = model.project_kv(layer, h0[layer], cos, sin, None, slice(None))
+        kb, vb = model.project_kv(layer, h0[layer], cos, sin)
         k, v = s.state.base.kv(layer, 0, n)
         assert close(k, kb) and close(v, vb)
         for a in AGENTS:

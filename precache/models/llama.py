@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
+from precache.errors import ContextLengthError
 from precache.models.config import ModelConfig
 from precache.models.rope import RotaryEmbedding
 
@@ -55,7 +56,9 @@ class LayerInput:
 
     ``h`` ``[N, hidden]`` is the attention input (after the input RMSNorm, DESIGN.md ``h_l^m(t)``),
     ``q`` ``[N, n_heads, head_dim]`` the per-row adapted queries after RoPE, ``cos``/``sin``
-    ``[N, head_dim]`` the RoPE tables at each token's position.
+    ``[N, head_dim]`` the RoPE tables at each token's position. ``k_lin``/``v_lin``
+    ``[N, n_kv_heads * head_dim]`` are the adapter-free projections ``h W_k (+ b)``, ``h W_v (+ b)``
+    from the fused qkv matmul.
     """
 
     layer: int
@@ -64,20 +67,28 @@ class LayerInput:
     cos: torch.Tensor
     sin: torch.Tensor
     model: LlamaModel
+    k_lin: torch.Tensor
+    v_lin: torch.Tensor
     _base: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def base_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Adapter-free ``(K after RoPE, V)``, each ``[N, n_kv_heads, head_dim]`` (memoised)."""
         if self._base is None:
-            self._base = self.model.project_kv(self.layer, self.h, self.cos, self.sin, None, slice(None))
+            self._base = self.model.finish_kv(self.layer, self.k_lin, self.v_lin, self.cos, self.sin)
         return self._base
 
     def adapted_kv(self, sl: slice, adapter: LoRAAdapter | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(K after RoPE, V)`` of tokens ``sl`` with ``adapter``: the full KV-cache entries."""
-        if adapter is None or not (adapter.has(self.layer, "k_proj") or adapter.has(self.layer, "v_proj")):
+        layer = self.layer
+        if adapter is None or not (adapter.has(layer, "k_proj") or adapter.has(layer, "v_proj")):
             k, v = self.base_kv()
             return k[sl], v[sl]
-        return self.model.project_kv(self.layer, self.h, self.cos, self.sin, adapter, sl)
+        h, k_lin, v_lin = self.h[sl], self.k_lin[sl], self.v_lin[sl]
+        if adapter.has(layer, "k_proj"):
+            k_lin = k_lin + adapter.delta(h, layer, "k_proj")
+        if adapter.has(layer, "v_proj"):
+            v_lin = v_lin + adapter.delta(h, layer, "v_proj")
+        return self.model.finish_kv(layer, k_lin, v_lin, self.cos[sl], self.sin[sl])
 
 
 class AttentionBackend(Protocol):
@@ -86,15 +97,27 @@ class AttentionBackend(Protocol):
     def attend(self, x: LayerInput) -> torch.Tensor: ...
 
 
+def _cat_bias(*biases: torch.Tensor | None, sizes: list[int], like: torch.Tensor) -> torch.Tensor | None:
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b if b is not None else like.new_zeros(n) for b, n in zip(biases, sizes, strict=True)])
+
+
 class LlamaModel:
     """Weights plus forward. Built by :func:`precache.load_model` from an HF state dict.
 
+    q/k/v and gate/up weights are concatenated once, so a layer runs four matmuls instead of
+    seven (decode on a CPU is dominated by per-op overhead). ``max_context`` (default
+    ``max_position_embeddings``) sizes the RoPE tables; RoPE extends past the trained length as
+    it does in HF, with the quality loss that implies.
+
     Attributes: ``config`` (:class:`ModelConfig`), ``hf_config``, ``tokenizer``, ``rope``,
-    ``dtype``, ``device``, ``path`` (checkpoint folder).
+    ``dtype``, ``device``, ``path`` (checkpoint folder), ``max_context`` (tokens).
     """
 
     def __init__(
-        self, config: ModelConfig, hf_config, state: dict[str, torch.Tensor], tokenizer=None, path=""
+        self, config: ModelConfig, hf_config, state: dict[str, torch.Tensor], tokenizer=None, path="",
+        max_context: int | None = None,
     ):
         self.config, self.hf_config, self.tokenizer, self.path = config, hf_config, tokenizer, str(path)
         self.embed = state["model.embed_tokens.weight"]
@@ -104,47 +127,59 @@ class LlamaModel:
             state.get("lm_head.weight", self.embed) if not config.tie_word_embeddings else self.embed
         )
         self.layers = [self._layer_weights(state, i) for i in range(config.num_layers)]
-        self.rope = RotaryEmbedding(
-            hf_config, config.head_dim, config.max_position_embeddings, self.dtype, self.device
-        )
+        self.max_context = max_context or config.max_position_embeddings
+        self.rope = RotaryEmbedding(hf_config, config.head_dim, self.max_context, self.dtype, self.device)
 
-    @staticmethod
-    def _layer_weights(state: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
-        p = f"model.layers.{i}."
-        w = {
-            name: state.get(p + key)
-            for name, key in {
-                "input_norm": "input_layernorm.weight",
-                "post_norm": "post_attention_layernorm.weight",
-                "q_norm": "self_attn.q_norm.weight",
-                "k_norm": "self_attn.k_norm.weight",
-            }.items()
+    def _layer_weights(self, state: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
+        p, c = f"model.layers.{i}.", self.config
+        get = state.get
+        attn = {proj: (state[f"{p}self_attn.{proj}.weight"], get(f"{p}self_attn.{proj}.bias"))
+                for proj in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        sizes = [c.q_size, c.kv_size, c.kv_size]
+        wq, wk, wv = (attn[x][0] for x in ("q_proj", "k_proj", "v_proj"))
+        return {
+            "input_norm": state[p + "input_layernorm.weight"],
+            "post_norm": state[p + "post_attention_layernorm.weight"],
+            "q_norm": get(p + "self_attn.q_norm.weight"),
+            "k_norm": get(p + "self_attn.k_norm.weight"),
+            "qkv": torch.cat([wq, wk, wv]),
+            "qkv_bias": _cat_bias(*(attn[x][1] for x in ("q_proj", "k_proj", "v_proj")), sizes=sizes, like=wq),
+            "o_proj": attn["o_proj"][0],
+            "o_proj_bias": attn["o_proj"][1],
+            "gate_up": torch.cat([state[f"{p}mlp.gate_proj.weight"], state[f"{p}mlp.up_proj.weight"]]),
+            "down_proj": state[f"{p}mlp.down_proj.weight"],
         }
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            w[proj] = state[f"{p}self_attn.{proj}.weight"]
-            w[proj + "_bias"] = state.get(f"{p}self_attn.{proj}.bias")
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            w[proj] = state[f"{p}mlp.{proj}.weight"]
-        return w
 
-    @property
-    def max_context(self) -> int:
-        """Longest trajectory the model accepts, in tokens (``max_position_embeddings``)."""
-        return self.config.max_position_embeddings
-
-    def _linear(self, x: torch.Tensor, layer: int, proj: str, rows: list[Row]) -> torch.Tensor:
-        w = self.layers[layer]
-        return add_lora(F.linear(x, w[proj], w.get(proj + "_bias")), x, rows, layer, proj)
-
-    def project_kv(self, layer, h, cos, sin, adapter, sl) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(K after RoPE, V)`` ``[n, n_kv_heads, head_dim]`` of ``h[sl]`` with ``adapter`` (None: base)."""
+    def finish_kv(self, layer: int, k_lin, v_lin, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(K after k-norm and RoPE, V)`` ``[n, n_kv_heads, head_dim]`` from linear projections."""
         c, w = self.config, self.layers[layer]
-        rows = [Row(0, h[sl].shape[0], adapter)]
-        k = self._linear(h[sl], layer, "k_proj", rows).view(-1, c.num_kv_heads, c.head_dim)
-        v = self._linear(h[sl], layer, "v_proj", rows).view(-1, c.num_kv_heads, c.head_dim)
+        k = k_lin.reshape(-1, c.num_kv_heads, c.head_dim)
         if w["k_norm"] is not None:
             k = rms_norm(k, w["k_norm"], c.rms_norm_eps)
-        return RotaryEmbedding.apply(k, cos[sl], sin[sl]), v
+        return RotaryEmbedding.apply(k, cos, sin), v_lin.reshape(-1, c.num_kv_heads, c.head_dim)
+
+    def project_kv(self, layer: int, h: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """Adapter-free ``(K after RoPE, V)`` ``[n, n_kv_heads, head_dim]`` of attention inputs ``h`` ``[n, hidden]``."""
+        c, w = self.config, self.layers[layer]
+        _, k_lin, v_lin = F.linear(h, w["qkv"], w["qkv_bias"]).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        return self.finish_kv(layer, k_lin, v_lin, cos, sin)
+
+    def _attention_input(self, x, i, rows, cos, sin) -> LayerInput:
+        c, w = self.config, self.layers[i]
+        h = rms_norm(x, w["input_norm"], c.rms_norm_eps)
+        qkv = F.linear(h, w["qkv"], w["qkv_bias"])  # [N, q + 2 kv]
+        q_lin, k_lin, v_lin = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = add_lora(q_lin, h, rows, i, "q_proj").view(-1, c.num_heads, c.head_dim)
+        if w["q_norm"] is not None:
+            q = rms_norm(q, w["q_norm"], c.rms_norm_eps)
+        return LayerInput(i, h, RotaryEmbedding.apply(q, cos, sin), cos, sin, self, k_lin, v_lin)
+
+    def _mlp(self, x, i, rows) -> torch.Tensor:
+        c, w = self.config, self.layers[i]
+        h = rms_norm(x, w["post_norm"], c.rms_norm_eps)
+        gate, up = F.linear(h, w["gate_up"]).split([c.intermediate_size, c.intermediate_size], dim=-1)
+        gated = F.silu(add_lora(gate, h, rows, i, "gate_proj")) * add_lora(up, h, rows, i, "up_proj")
+        return add_lora(F.linear(gated, w["down_proj"]), gated, rows, i, "down_proj")
 
     @torch.inference_mode()
     def forward(
@@ -160,21 +195,19 @@ class LlamaModel:
         ``input_ids`` and ``positions`` are ``[N]``; ``rows`` cut them into sequences, each with its
         own adapter. ``logits_at`` indexes the tokens whose next-token logits are wanted (default:
         the last token of each row).
+
+        Raises:
+            ContextLengthError: a position is past ``max_context``.
         """
         c = self.config
+        if positions.numel() and int(positions.max()) >= self.max_context:
+            raise ContextLengthError(f"position {int(positions.max())} is past the context length {self.max_context}")
         x = self.embed[input_ids]  # [N, hidden]
         cos, sin = self.rope.tables(positions)
         for i, w in enumerate(self.layers):
-            h = rms_norm(x, w["input_norm"], c.rms_norm_eps)
-            q = self._linear(h, i, "q_proj", rows).view(-1, c.num_heads, c.head_dim)
-            if w["q_norm"] is not None:
-                q = rms_norm(q, w["q_norm"], c.rms_norm_eps)
-            q = RotaryEmbedding.apply(q, cos, sin)
-            attn = attention.attend(LayerInput(i, h, q, cos, sin, self))  # [N, Hq * D]
-            x = x + self._linear(attn, i, "o_proj", rows)
-            h2 = rms_norm(x, w["post_norm"], c.rms_norm_eps)
-            gated = F.silu(self._linear(h2, i, "gate_proj", rows)) * self._linear(h2, i, "up_proj", rows)
-            x = x + self._linear(gated, i, "down_proj", rows)
+            attn = attention.attend(self._attention_input(x, i, rows, cos, sin))  # [N, Hq * D]
+            x = x + add_lora(F.linear(attn, w["o_proj"], w["o_proj_bias"]), attn, rows, i, "o_proj")
+            x = x + self._mlp(x, i, rows)
         if logits_at is None:
             logits_at = [row.end - 1 for row in rows]
         last = rms_norm(x[logits_at], self.norm, c.rms_norm_eps)
