@@ -150,3 +150,25 @@ def test_cache_bytes_break_down_by_cache(tiny):
     assert full["plan"] == s_ns.state.full["plan"].length * per_token_kv
     # each agent keeps what it has read: plan 36, action 38 and reflect 30 tokens
     assert s_ns.cache_bytes()["total"] == (36 + 38 + 30) * per_token_kv
+
+
+@pytest.mark.parametrize("method", ["nonshared", "prelrshared", "rebaseshared-lp", "rebaseshared-db"])
+def test_teacher_forcing_the_greedy_tokens_reproduces_generate(tiny, method):
+    model, dirs, _ = tiny
+    engine = make_engine(model, dirs, method)
+    a, b = engine.session(), engine.session()
+    for s in (a, b):
+        s.append(list(range(10, 30)))
+    turn = a.generate(agent="plan", max_new_tokens=6)
+    forced = b.teacher_force("plan", turn.token_ids)
+    assert forced.token_ids == turn.token_ids and forced.logits.shape == (6, model.config.vocab_size)
+    assert forced.logits.argmax(-1).tolist() == turn.token_ids
+    assert torch.allclose(forced.logits[0], turn.first_logits)
+    assert a.cache_bytes()["total"] == b.cache_bytes()["total"] and a.authors == b.authors
+    for layer in range(model.config.num_layers):
+        for x, y in zip(
+            a.method.view_kv(a.state, "action", layer, len(a) - 1),
+            b.method.view_kv(b.state, "action", layer, len(b) - 1),
+            strict=True,
+        ):
+            assert torch.allclose(x, y, atol=1e-6)

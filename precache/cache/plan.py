@@ -82,9 +82,8 @@ def lr_entries(
     return lk, lv
 
 
-def view_segment(x: LayerInput, view: View) -> Segment:
-    """Materialise ``view`` at layer ``x.layer``: keys get the RoPE'd LoRA part, values stay low-rank."""
-    layer, model = x.layer, x.model
+def view_segment(model, layer: int, view: View) -> Segment:
+    """Materialise ``view`` at ``layer``: keys get the RoPE'd LoRA part, values stay low-rank."""
     k, v = view.store.kv(layer, view.start, view.end)
     if view.adapter is None or view.lr is None:
         return Segment(k, v, view.start)
@@ -127,7 +126,7 @@ class PlannedAttention:
             for w in plan.writes:
                 _write(x, plan, w)
         for plan in self.plans:
-            segments = [view_segment(x, view) for view in plan.views if view.end > view.start]
+            segments = [view_segment(x.model, x.layer, view) for view in plan.views if view.end > view.start]
             out[plan.row.slice] = attend(x.q[plan.row.slice], plan.pos0, segments)
         return out
 

@@ -19,7 +19,8 @@ class Turn:
     """One agent's turn. Times in seconds; ``prefill_tokens`` counts every row of the prefill
     forward (ReBaseShared DB's neutral row included); ``neutral_tokens``/``neutral_s`` are LP's
     post-turn neutral pass, which runs outside the next turn's TTFT. ``start`` is the first position
-    the turn prefilled; ``first_logits`` ``[vocab]`` the fp32 logits the first token was sampled from."""
+    the turn prefilled; ``first_logits`` ``[vocab]`` the fp32 logits the first token was sampled from;
+    ``logits`` ``[n, vocab]`` every step's logits (teacher-forced turns only)."""
 
     agent: str | None
     token_ids: list[int]
@@ -32,6 +33,7 @@ class Turn:
     neutral_s: float = 0.0
     start: int = 0
     first_logits: torch.Tensor | None = field(default=None, repr=False)
+    logits: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def latency_s(self) -> float:
@@ -180,26 +182,50 @@ class Session:
         self._mark_authors(agent, n)
         return logits, start, sum(len(p.token_ids) for p in plans)
 
-    def _turn(self, agent: str | None, params: SamplingParams) -> Iterator[StreamChunk]:
+    def teacher_force(self, agent: str | None, token_ids: list[int]) -> Turn:
+        """Run ``agent``'s turn producing exactly ``token_ids`` (teacher forcing) and return it, with
+        ``turn.logits`` ``[len(token_ids), vocab]``: the fp32 logits each forced token was predicted
+        from. The caches end as after a turn that generated those tokens (the last one pending).
+
+        Raises:
+            UnknownAdapterError, EmptyRequestError, ContextLengthError: as :meth:`generate`.
+        """
+        if not token_ids:
+            raise EmptyRequestError("teacher forcing needs at least one token")
+        params = self._validate(agent, {"max_new_tokens": len(token_ids)})
+        if len(self.token_ids) + len(token_ids) > self.engine.max_context:
+            raise ContextLengthError(
+                f"forcing {len(token_ids)} tokens passes the context length {self.engine.max_context}"
+            )
+        for _ in self._turn(agent, params, forced=list(token_ids)):
+            pass
+        return self.last_turn
+
+    def _turn(
+        self, agent: str | None, params: SamplingParams, forced: list[int] | None = None
+    ) -> Iterator[StreamChunk]:
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         budget = min(params.max_new_tokens, self.engine.max_context - len(self.token_ids))
         t0 = time.perf_counter()
         logits, start, prefill_tokens = self._prefill(agent)
         out: list[int] = []
+        seen_logits = [logits] if forced is not None else None
         reason, ttft, first_logits = "length", 0.0, logits
         while True:
-            token = sample(logits, params, gen)
+            token = forced[len(out)] if forced is not None else sample(logits, params, gen)
             out.append(token)
             self.token_ids.append(token)
             if len(out) == 1:
                 ttft = time.perf_counter() - t0
             yield StreamChunk(token, self.engine.decode_piece(out))
-            reason = self._stop_reason(out, params)
+            reason = None if forced is not None else self._stop_reason(out, params)
             if reason or len(out) >= budget:
                 break
             pos = len(self.token_ids) - 1
             logits = self._forward(self.method.plans(self.state, agent, [token], pos))
             self._mark_authors(agent, pos + 1)
+            if seen_logits is not None:
+                seen_logits.append(logits)
         t1 = time.perf_counter()
         post = self.method.end_turn(self.state, agent, self.token_ids)
         if post:
@@ -217,6 +243,7 @@ class Session:
             time.perf_counter() - t1,
             start,
             first_logits,
+            torch.stack(seen_logits) if seen_logits is not None else None,
         )
 
     def _stop_reason(self, out: list[int], params: SamplingParams) -> str | None:

@@ -12,7 +12,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from precache.cache.plan import LRWrite, RowPlan
+import torch
+
+from precache.cache.plan import LRWrite, RowPlan, View, view_segment
 from precache.cache.store import KVStore, LRStore
 from precache.errors import AdapterError, CacheIntegrityError
 from precache.lora.adapter import LoRAAdapter
@@ -103,6 +105,17 @@ class SharingMethod(ABC):
         """Close the turn; return plans of work that runs after it (ReBaseShared LP's neutral pass)."""
         state.turn_start = state.turn_agent = None
         return []
+
+    def view_kv(
+        self, state: CacheState, agent: str | None, layer: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys (after RoPE) and values ``[end, n_kv_heads, head_dim]`` the agent reads over
+        positions ``[0, end)`` at ``layer``, materialised (copies): ``Kb + RoPE(s Lk B^k)``,
+        ``Vb + s Lv B^v`` (DESIGN.md, Notation). For diagnostics, never on the hot path."""
+        lr = state.lr.get(agent) if agent is not None else None
+        seg = view_segment(self.model, layer, View(state.base, 0, end, lr, self.adapter(agent)))
+        v = seg.v if seg.lv is None else seg.v + (seg.scaling * (seg.lv @ seg.bv)).view(seg.v.shape)
+        return seg.k.clone(), v.clone()
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def truncate(self, state: CacheState, length: int) -> None:

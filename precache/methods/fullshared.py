@@ -16,6 +16,10 @@ class FullShared(SharingMethod):
     def new_state(self) -> CacheState:
         return CacheState(full={"shared": self.new_kv_store()})
 
+    def view_kv(self, state, agent, layer, end):
+        k, v = state.full["shared"].kv(layer, 0, end)
+        return k.clone(), v.clone()
+
     def cached_length(self, state: CacheState) -> int:
         return state.full["shared"].length
 

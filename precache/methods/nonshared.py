@@ -21,6 +21,10 @@ class NonShared(SharingMethod):
     def _own(self, state: CacheState, agent: str | None):
         return state.full[_BASE_KEY if agent is None else agent]
 
+    def view_kv(self, state, agent, layer, end):
+        k, v = self._own(state, agent).kv(layer, 0, end)
+        return k.clone(), v.clone()
+
     def cached_length(self, state: CacheState) -> int:
         return max(s.length for s in state.full.values())
 

@@ -1,0 +1,187 @@
+"""Sub-commands ``precache bench trace`` and ``precache fidelity``.
+
+The model, adapters and engines are loaded only when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from rich.console import Console
+
+from precache.errors import AdapterError, PrecacheError, UnknownMethodError
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ADAPTER_ROOT = REPO_ROOT / "adapters" / "smollm2-135m"
+TRACE_ROOT = REPO_ROOT / "benchmarks" / "traces"
+ADAPTER_SETS = ("qv", "all")
+
+
+def resolve_adapters(spec: str, roles: list[str] | None = None) -> dict[str, Path]:
+    """Adapter folders by agent name: ``qv`` / ``all`` (the committed sets) or a folder ``DIR``
+    whose sub-folders ``DIR/<agent>/`` hold PEFT adapters. ``roles``: the agents needed (None: all found).
+
+    Raises:
+        AdapterError: the folder, or a needed agent's adapter in it, is missing.
+    """
+    folder = ADAPTER_ROOT / spec if spec in ADAPTER_SETS else Path(spec).expanduser()
+    hint = f" (train it with `precache adapters train --set {spec}`)" if spec in ADAPTER_SETS else ""
+    found = (
+        {p.name: p for p in sorted(folder.iterdir()) if (p / "adapter_config.json").is_file()}
+        if folder.is_dir()
+        else {}
+    )
+    if not found:
+        raise AdapterError(f"no PEFT adapter folders (<agent>/adapter_config.json) under {folder}{hint}")
+    missing = [r for r in roles or [] if r not in found]
+    if missing:
+        raise AdapterError(
+            f"no adapter for agent(s) {', '.join(missing)} under {folder} (found: {', '.join(found)}){hint}"
+        )
+    return {r: found[r] for r in roles} if roles else found
+
+
+def _trace_path(name: str) -> Path:
+    """A trace file, or the name of a shipped trace (``paper_L1024`` -> benchmarks/traces/paper_L1024.csv)."""
+    path = Path(name)
+    shipped = TRACE_ROOT / f"{name}.csv"
+    return shipped if not path.exists() and shipped.is_file() else path
+
+
+def _methods(text: str) -> list[str]:
+    from precache.methods import METHODS
+
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown:
+        raise UnknownMethodError(f"unknown method(s) {', '.join(unknown)} (methods: {', '.join(METHODS)})")
+    return ["nonshared", *(m for m in names if m != "nonshared")]  # the reference always runs
+
+
+def _hf_model(model):
+    """The HF model the baseline wraps, loaded from ``model``'s checkpoint (no tensors shared)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
+
+
+def _special_ids(model) -> list[int]:
+    return list(getattr(model.tokenizer, "all_special_ids", []) or [])
+
+
+def _bench_trace(args: argparse.Namespace) -> int:
+    import torch
+
+    import precache
+    from precache.bench import plots, report
+    from precache.bench.hf_peft import METHOD_NAME, HFPeftAgents
+    from precache.bench.replay import replay_engine
+    from precache.bench.suite import run_suite
+    from precache.bench.trace import check_fits, load_trace, token_stream
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    methods = _methods(args.methods)
+    trace = load_trace(_trace_path(args.trace))
+    adapters = resolve_adapters(args.adapters, trace.agents)
+    model = precache.load_model(args.model)
+    check_fits(trace, model.max_context)
+    stream = token_stream(trace, model.config.vocab_size, _special_ids(model), args.seed)
+    runners = {}
+    for method in methods:
+        engine = precache.Engine(model, adapters=adapters, method=method)
+        runners[method] = lambda tr, st, engine=engine: replay_engine(engine, tr, st)
+    if not args.no_hf_peft:
+        runners[METHOD_NAME] = HFPeftAgents(_hf_model(model), adapters).replay
+    result = run_suite(runners, trace, stream, repeats=args.repeats)
+    result["config"] = {k: v for k, v in vars(args).items() if k != "func"}
+    report.write_json(result, args.json)
+    console = Console()
+    console.print(report.trace_table(result))
+    console.print(result["latency_note"], style="dim")
+    if args.markdown:
+        Path(args.markdown).write_text(report.trace_markdown(result), encoding="utf-8")
+    if args.plot:
+        plots.plot_trace(result, args.plot)
+    return 0
+
+
+def _fidelity(args: argparse.Namespace) -> int:
+    import torch
+
+    import precache
+    from precache.agents.data import load_questions
+    from precache.bench import plots, report
+    from precache.bench.episodes import run_fidelity
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    methods = _methods(args.methods)
+    adapters = resolve_adapters(args.adapters, ["plan", "action", "reflect"])
+    questions = load_questions(args.split)[: args.limit]
+    model = precache.load_model(args.model)
+    engines = {m: precache.Engine(model, adapters=adapters, method=m) for m in methods}
+    result = run_fidelity(engines, questions, max_steps=args.max_steps, max_new_tokens=args.max_new_tokens)
+    result["config"] = {k: v for k, v in vars(args).items() if k != "func"}
+    report.write_json(result, args.json)
+    Console().print(report.fidelity_table(result))
+    if args.markdown:
+        Path(args.markdown).write_text(report.fidelity_markdown(result), encoding="utf-8")
+    if args.plot_dir:
+        plots.plot_fidelity(result, args.plot_dir)
+    return 0
+
+
+def _guarded(func):
+    """Turn a user-actionable error into a one-line message and exit code 2."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except PrecacheError as exc:
+            Console(stderr=True).print(f"[red]{type(exc).__name__}[/red]: {exc}", highlight=False)
+            return 2
+
+    return run
+
+
+def _common(parser: argparse.ArgumentParser, default_methods: str) -> None:
+    parser.add_argument("--methods", default=default_methods, help="comma-separated sharing methods")
+    parser.add_argument("--adapters", default="qv", help="qv | all (committed sets) | DIR with DIR/<agent>/")
+    parser.add_argument("--model", help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--json", required=True, help="results file")
+    parser.add_argument("--markdown", help="also write a markdown table here")
+    parser.add_argument(
+        "--threads", type=int, default=int(os.environ.get("PRECACHE_THREADS", 0)), help="torch threads"
+    )
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Register ``bench trace`` and ``fidelity`` on the ``precache`` parser."""
+    from precache.methods import METHODS
+
+    bench = sub.add_parser("bench", help="benchmarks: trace replay against NonShared and HF + PEFT")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    trace = bench_sub.add_parser("trace", help="replay an agent trace with every method, side by side")
+    trace.add_argument("--trace", required=True, help="CSV agent,prefill_len,decode_len (or a shipped name)")
+    trace.add_argument("--repeats", type=int, default=3, help="timed replays per method (median reported)")
+    trace.add_argument("--seed", type=int, default=0, help="seed of the appended random token stream")
+    trace.add_argument("--plot", help="PNG: TTFT per turn and KV bytes over the trajectory")
+    trace.add_argument("--no-hf-peft", action="store_true", help="skip the HF transformers + PEFT baseline")
+    _common(trace, ",".join(METHODS))
+    trace.set_defaults(func=_guarded(_bench_trace))
+
+    fidelity = sub.add_parser("fidelity", help="KL, top-1, base-cache error and answers vs NonShared")
+    fidelity.add_argument("--split", choices=("dev", "train", "all"), default="dev")
+    fidelity.add_argument("--limit", type=int, default=None, help="first N questions of the split")
+    fidelity.add_argument("--max-steps", type=int, default=8, help="plan steps per episode")
+    fidelity.add_argument("--max-new-tokens", type=int, default=64, help="tokens per agent turn")
+    fidelity.add_argument("--plot-dir", help="folder for layer_error.png and kl_per_turn.png")
+    _common(fidelity, ",".join(METHODS))
+    fidelity.set_defaults(func=_guarded(_fidelity))

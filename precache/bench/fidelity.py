@@ -1,0 +1,125 @@
+"""Fidelity of a sharing method against NonShared on the same trajectories, teacher-forced.
+
+A trajectory is a list of :class:`RecordedTurn` (tokens appended before the turn, tokens the
+agent generated), recorded once under NonShared. Every method then replays it in lockstep with a
+NonShared reference session: the same tokens are appended and each agent turn is teacher-forced
+through the recorded tokens, so every method sees the same context and its next-token
+distribution can be compared position by position. Per agent turn:
+
+- ``first_kl``: KL(P_NonShared || P_method) in nats at the turn's first generated position, and
+  ``mean_kl`` over all its generated positions; ``first_top1`` / ``top1``: argmax agreement.
+- ``k_error[l]`` / ``v_error[l]`` (the PReCache paper's Figure 2 diagnostic, in our terms): at
+  layer l, ``||K_view - K_own||_F / ||K_own||_F`` over the positions ``[0, s)`` that some forward
+  had processed before the turn (the earlier segments, the agent's own included). ``K_own`` is
+  the agent's own full KV cache in the NonShared reference (every token read with its own
+  adapter); ``K_view`` is the keys the method lets the agent attend to there: its full cache
+  (NonShared, FullShared) or the shared base plus its RoPE'd LoRA part ``Kb + RoPE(s Lk_a B_a^k)``
+  (DESIGN.md, Notation); likewise ``V_view = Vb + s Lv_a B_a^v``. Measured after the turn, since
+  entries before ``s`` never change during it. None on a turn with ``s = 0``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+REFERENCE = "nonshared"
+
+
+@dataclass(frozen=True)
+class RecordedTurn:
+    """One agent turn of a recorded trajectory: ``appended`` ids arrive, ``agent`` generates ``generated``."""
+
+    agent: str
+    appended: tuple[int, ...]
+    generated: tuple[int, ...]
+
+
+def forced_turn(session, agent: str, token_ids: list[int]) -> torch.Tensor:
+    """Run ``agent``'s turn on ``session`` generating exactly ``token_ids``; return the logits
+    ``[len(token_ids), vocab]`` (fp32) each of them was predicted from (:meth:`Session.teacher_force`).
+
+    Raises:
+        EmptyRequestError: ``token_ids`` is empty.
+    """
+    return session.teacher_force(agent, token_ids).logits
+
+
+def agent_kv(session, agent: str, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys (after RoPE) and values ``[end, n_kv_heads, head_dim]`` that ``agent`` attends to
+    over positions ``[0, end)`` at ``layer``, materialised from the session's caches."""
+    return session.method.view_kv(session.state, agent, layer, end)
+
+
+def _relative(a: torch.Tensor, ref: torch.Tensor) -> float:
+    norm = ref.double().norm()
+    return float((a.double() - ref.double()).norm() / norm) if norm > 0 else 0.0
+
+
+def layer_errors(reference, session, agent: str, end: int) -> tuple[list[float], list[float]]:
+    """Per-layer relative Frobenius error of ``session``'s K and V view against ``reference``'s
+    (NonShared) own cache of ``agent`` over ``[0, end)``: two lists of ``num_layers`` floats."""
+    k_err, v_err = [], []
+    for layer in range(reference.engine.model.config.num_layers):
+        k_ref, v_ref = agent_kv(reference, agent, layer, end)
+        k, v = agent_kv(session, agent, layer, end)
+        k_err.append(_relative(k, k_ref))
+        v_err.append(_relative(v, v_ref))
+    return k_err, v_err
+
+
+def kl_top1(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[list[float], list[bool]]:
+    """Per position: KL(softmax(ref) || softmax(logits)) in nats (float64) and argmax agreement.
+
+    ``ref_logits``, ``logits``: ``[n, vocab]``.
+    """
+    p = torch.log_softmax(ref_logits.double(), dim=-1)
+    q = torch.log_softmax(logits.double(), dim=-1)
+    kl = (p.exp() * (p - q)).sum(-1).clamp_min(0.0)
+    same = ref_logits.argmax(-1) == logits.argmax(-1)
+    return kl.tolist(), same.tolist()
+
+
+def _turn_record(reference, session, turn: RecordedTurn, ref_logits, logits, processed: int) -> dict:
+    kl, same = kl_top1(ref_logits, logits)
+    record = {
+        "agent": turn.agent,
+        "position": processed,
+        "tokens": len(turn.generated),
+        "first_kl": kl[0],
+        "mean_kl": sum(kl) / len(kl),
+        "first_top1": float(same[0]),
+        "top1": sum(same) / len(same),
+        "k_error": None,
+        "v_error": None,
+    }
+    if processed > 0:
+        record["k_error"], record["v_error"] = layer_errors(reference, session, turn.agent, processed)
+    return record
+
+
+def compare_trajectory(
+    engines: dict, turns: list[RecordedTurn], reference: str = REFERENCE
+) -> dict[str, list[dict]]:
+    """Teacher-force ``turns`` on a fresh session of every engine in ``engines`` (by method name)
+    in lockstep with a separate reference session of ``engines[reference]``.
+
+    Returns ``{method: [per-turn record]}`` with the fields of the module docstring plus
+    ``agent``, ``position`` (tokens processed before the turn) and ``tokens`` (generated).
+
+    Raises:
+        KeyError: ``reference`` is not among ``engines``.
+    """
+    ref = engines[reference].session()
+    sessions = {name: engine.session() for name, engine in engines.items()}
+    out: dict[str, list[dict]] = {name: [] for name in engines}
+    for turn in turns:
+        processed = len(ref.authors)
+        ref.append(list(turn.appended))
+        ref_logits = forced_turn(ref, turn.agent, list(turn.generated))
+        for name, session in sessions.items():
+            session.append(list(turn.appended))
+            logits = forced_turn(session, turn.agent, list(turn.generated))
+            out[name].append(_turn_record(ref, session, turn, ref_logits, logits, processed))
+    return out

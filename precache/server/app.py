@@ -1,0 +1,193 @@
+"""The OpenAI-compatible HTTP API (FastAPI): ``/v1/models``, ``/v1/completions``,
+``/v1/chat/completions`` (streamed as server-sent events or not), ``/health`` and ``/metrics``.
+
+The ``model`` field chooses the adapter: the base model's name runs without one, an adapter's
+name runs that agent. Handlers validate, queue a :class:`~precache.server.jobs.Job` on the
+:class:`~precache.server.scheduler.Scheduler` and relay its events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from precache.server.codec import Codec
+from precache.server.config import ServerConfig
+from precache.server.errors import APIError, error_body, install_error_handlers
+from precache.server.jobs import DoneEvent, ErrorEvent, Job, TokenEvent
+from precache.server.metrics import ServerMetrics
+from precache.server.protocol import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    ChatRequest,
+    CompletionRequest,
+    chat_prompt,
+    check_prompt,
+    completion_prompt,
+    sampling_params,
+)
+from precache.server.responses import Renderer, StopTrimmer, sse
+from precache.server.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
+    """The API over ``engine`` (an :class:`~precache.engine.engine.Engine`). The scheduler thread
+    starts and stops with the app's lifespan; it is ``app.state.scheduler``.
+
+    Raises:
+        ValueError: an adapter is named like the base model.
+    """
+    config = config or ServerConfig()
+    if config.model_name in engine.adapters:
+        raise ValueError(f"the base model name '{config.model_name}' is also an adapter name")
+    codec, metrics = Codec(engine), ServerMetrics()
+    scheduler = Scheduler(engine, config, metrics, codec)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.stop()
+
+    app = FastAPI(title="precache", lifespan=lifespan)
+    app.state.scheduler, app.state.engine, app.state.config = scheduler, engine, config
+    install_error_handlers(app)
+    api = _Api(engine, config, codec, scheduler)
+
+    @app.get("/health")
+    async def health():
+        if not scheduler.alive:
+            return JSONResponse(error_body(503, "the scheduler is not running"), status_code=503)
+        return {"status": "ok", "method": engine.method_name}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        data, content_type = metrics.render()
+        return Response(data, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": api.model_cards()}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        agent = api.agent(body.model)
+        ids = completion_prompt(body, codec, engine.model.config.vocab_size)
+        return await api.generate(request, body, agent, ids, "completion", COMPLETION_DEFAULT_MAX_TOKENS)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        agent = api.agent(body.model)
+        ids = chat_prompt(body, codec)
+        return await api.generate(request, body, agent, ids, "chat", None)
+
+    return app
+
+
+class _Api:
+    """What the routes share: model lookup, queuing, and relaying the scheduler's events."""
+
+    def __init__(self, engine, config: ServerConfig, codec: Codec, scheduler: Scheduler):
+        self.engine, self.config, self.codec, self.scheduler = engine, config, codec, scheduler
+        self.created = int(time.time())
+
+    def model_cards(self) -> list[dict]:
+        base = self.config.model_name
+        card = {"object": "model", "created": self.created, "owned_by": "precache"}
+        ctx = {"max_model_len": self.engine.max_context}
+        out = [{"id": base, **card, "root": base, "parent": None, **ctx}]
+        out += [{"id": name, **card, "root": base, "parent": base, **ctx} for name in self.engine.adapters]
+        return out
+
+    def agent(self, model: str) -> str | None:
+        """The adapter a ``model`` field names (None: the base model). Raises APIError 404."""
+        if model == self.config.model_name:
+            return None
+        if model in self.engine.adapters:
+            return model
+        known = ", ".join([self.config.model_name, *self.engine.adapters])
+        raise APIError(
+            404, f"the model '{model}' does not exist (models: {known})", "model", "model_not_found"
+        )
+
+    async def generate(self, request: Request, body, agent, ids, kind: str, default_max: int | None):
+        check_prompt(ids, self.engine.max_context)
+        room = self.engine.max_context - len(ids)
+        params = sampling_params(body, room if default_max is None else default_max)
+        job = Job(agent, ids, params, body.model, body.session_id, body.ignore_eos)
+        job.bind(asyncio.get_running_loop())
+        self.scheduler.submit(job)
+        renderer = Renderer(kind, body.model, ids, body.return_token_ids)
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(self._stream(job, renderer, usage), media_type="text/event-stream")
+        return await self._complete(job, renderer, request)
+
+    async def _stream(self, job: Job, renderer: Renderer, include_usage: bool):
+        """SSE chunks in the OpenAI format, then ``data: [DONE]``. A client that leaves cancels
+        the job (Starlette cancels this generator when the connection drops)."""
+        trimmer, over = StopTrimmer(job.params.stop), False
+        try:
+            first = renderer.first_chunk()
+            if first is not None:
+                yield sse(first)
+            async for event in job.events():
+                if isinstance(event, TokenEvent):
+                    text = trimmer.feed(event.text)
+                    if text:
+                        yield sse(renderer.chunk(text))
+                    continue
+                over = True
+                if isinstance(event, ErrorEvent):
+                    yield sse(error_body(event.status, event.message, None, event.code))
+                    break
+                rest = trimmer.flush()
+                if rest:
+                    yield sse(renderer.chunk(rest))
+                yield sse(renderer.last_chunk(event))
+                if include_usage:
+                    yield sse(renderer.usage_chunk(event))
+            yield sse("[DONE]")
+        finally:
+            if not over:
+                self.scheduler.cancel(job.id)
+
+    async def _complete(self, job: Job, renderer: Renderer, request: Request):
+        """Wait for the whole answer; a client that leaves first cancels the job."""
+
+        async def collect() -> tuple[str, DoneEvent | ErrorEvent]:
+            trimmer, parts = StopTrimmer(job.params.stop), []
+            async for event in job.events():
+                if isinstance(event, TokenEvent):
+                    parts.append(trimmer.feed(event.text))
+                else:
+                    return "".join(parts) + trimmer.flush(), event
+            raise RuntimeError("the event stream ended without a final event")
+
+        result, left = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait({result, left}, return_when=asyncio.FIRST_COMPLETED)
+        if not result.done():
+            result.cancel()
+            self.scheduler.cancel(job.id)
+            return Response(status_code=499)  # nobody reads it: the client closed the connection
+        left.cancel()
+        text, final = result.result()
+        if isinstance(final, ErrorEvent):
+            raise APIError(final.status, final.message, code=final.code)
+        return renderer.body(text, final)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client closes the connection (the request body is already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

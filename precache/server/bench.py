@@ -1,0 +1,195 @@
+"""``precache bench serve``: the serving benchmark. For each method and request rate, start the
+server on loopback (in this process), replay N trajectories of a trace with the ``openai`` client
+(:mod:`precache.server.loadgen`) and report p50/p90 TTFT, latency and throughput; optionally
+plot TTFT against the request rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+
+from precache.bench.trace import Trace, TraceTurn, check_fits, load_trace
+from precache.server.cli import (
+    adapters_from_args,
+    add_engine_arguments,
+    load_model_from_args,
+    served_model_name,
+)
+from precache.server.loadgen import replay, summarize
+
+logger = logging.getLogger(__name__)
+
+#: a small smoke trace: a planner read, then short action / reflect / plan turns
+SMOKE_TRACE = Trace(
+    "serve-smoke",
+    (
+        TraceTurn("plan", 96, 16),
+        TraceTurn("action", 24, 8),
+        TraceTurn("reflect", 16, 8),
+        TraceTurn("plan", 32, 8),
+    ),
+)
+COMMITTED_ADAPTERS = Path(__file__).resolve().parents[2] / "adapters" / "smollm2-135m" / "qv"
+
+
+def run_serve_bench(
+    model,
+    adapters: dict,
+    methods: list[str],
+    qps_levels: list[float],
+    sessions: int,
+    trace: Trace = SMOKE_TRACE,
+    model_name: str = "base",
+    seed: int = 0,
+) -> dict:
+    """Benchmark every method at every request rate (requests/s) on a fresh server each.
+
+    Returns ``{"trace", "sessions", "qps", "methods": {method: {qps: summary}}}`` with the
+    summaries of :func:`~precache.server.loadgen.summarize` (times in seconds).
+
+    Raises:
+        TraceError: the trace passes the model's context length or names an unloaded adapter.
+        UnknownMethodError: a method does not exist.
+    """
+    import precache
+    from precache.bench.trace import TraceError
+    from precache.server import LiveServer, ServerConfig, create_app
+
+    check_fits(trace, model.max_context)
+    missing = [a for a in trace.agents if a not in adapters]
+    if missing:
+        raise TraceError(
+            f"trace agents without an adapter: {', '.join(missing)} (loaded: {', '.join(adapters)})"
+        )
+    special = set(getattr(model.tokenizer, "all_special_ids", []) or [])
+    result: dict = {"trace": trace.name, "sessions": sessions, "qps": qps_levels, "methods": {}}
+    for method in methods:
+        engine = precache.Engine(model, adapters=adapters, method=method)
+        special_ids = special | set(engine.eos_token_ids)
+        per_qps = {}
+        for i, qps in enumerate(qps_levels):
+            app = create_app(engine, ServerConfig(model_name=model_name))
+            with LiveServer(app) as server:
+                records, wall = asyncio.run(
+                    replay(
+                        server.url,
+                        trace,
+                        sessions,
+                        qps,
+                        model.config.vocab_size,
+                        special_ids,
+                        seed + 1000 * i,
+                    )
+                )
+            per_qps[str(qps)] = summary = summarize(records, wall)
+            logger.info(
+                "%s @ %.2f req/s: TTFT p50 %.3f s, p90 %.3f s; latency p50 %.3f s; %.1f tok/s; %d errors",
+                method, qps, summary["ttft_p50_s"], summary["ttft_p90_s"], summary["latency_p50_s"],
+                summary["throughput_tok_s"], summary["errors"],
+            )  # fmt: skip
+        result["methods"][engine.method_name] = per_qps
+    return result
+
+
+def plot_ttft_vs_qps(result: dict, path: str | os.PathLike) -> Path:
+    """PNG: p50 (solid) and p90 (dashed) TTFT in seconds against the request rate, per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method, per_qps in result["methods"].items():
+        qps = [float(q) for q in per_qps]
+        (line,) = ax.plot(qps, [s["ttft_p50_s"] for s in per_qps.values()], marker="o", label=f"{method} p50")
+        ax.plot(qps, [s["ttft_p90_s"] for s in per_qps.values()], ls="--", color=line.get_color(), alpha=0.7)
+    ax.set(xlabel="request rate (requests/s)", ylabel="TTFT (s)", title=f"TTFT vs load, {result['trace']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _table(result: dict):
+    from rich.table import Table
+
+    table = Table(title=f"serving: {result['trace']}, {result['sessions']} trajectories")
+    for header in (
+        "method",
+        "req/s",
+        "TTFT p50",
+        "TTFT p90",
+        "latency p50",
+        "latency p90",
+        "tok/s",
+        "cached",
+        "errors",
+    ):
+        table.add_column(header, justify="right")
+    for method, per_qps in result["methods"].items():
+        for qps, s in per_qps.items():
+            times = [
+                f"{s[k] * 1e3:.0f} ms" for k in ("ttft_p50_s", "ttft_p90_s", "latency_p50_s", "latency_p90_s")
+            ]
+            table.add_row(
+                method,
+                qps,
+                *times,
+                f"{s['throughput_tok_s']:.1f}",
+                f"{s['cached_ratio']:.0%}",
+                str(s["errors"]),
+            )
+    return table
+
+
+def _default_adapters(trace: Trace) -> dict[str, str]:
+    return {a: str(COMMITTED_ADAPTERS / a) for a in trace.agents if (COMMITTED_ADAPTERS / a).is_dir()}
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from precache.errors import PrecacheError
+
+    try:
+        trace = load_trace(args.trace) if args.trace else SMOKE_TRACE
+        adapters = adapters_from_args(args) or _default_adapters(trace)
+        model = load_model_from_args(args)
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        qps = [float(q) for q in args.qps.split(",") if q.strip()]
+        result = run_serve_bench(
+            model, adapters, methods, qps, args.sessions, trace, served_model_name(args, model), args.seed
+        )
+    except (PrecacheError, ValueError) as exc:
+        logger.error("%s: %s", type(exc).__name__, exc)
+        return 1
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    Console().print(_table(result))
+    if args.plot:
+        logger.info("wrote %s", plot_ttft_vs_qps(result, args.plot))
+    return 0
+
+
+def add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
+    """Register ``serve`` on the ``precache bench`` sub-parsers."""
+    p = bench_sub.add_parser("serve", help="serving benchmark: TTFT, latency, throughput vs request rate")
+    add_engine_arguments(p)
+    p.add_argument("--methods", default="prelrshared,nonshared", help="comma-separated sharing methods")
+    p.add_argument("--qps", default="0.5,1,2,4", help="comma-separated request rates (requests/s)")
+    p.add_argument("--sessions", type=int, default=4, help="concurrent trajectories")
+    p.add_argument("--trace", default=None, help="CSV agent,prefill_len,decode_len (default: a smoke trace)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", required=True, help="results file")
+    p.add_argument("--plot", default=None, help="PNG: TTFT vs request rate")
+    p.set_defaults(func=_bench_serve)

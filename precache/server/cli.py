@@ -1,0 +1,118 @@
+"""``precache serve``: the OpenAI-compatible server (vLLM-style flags, loopback by default)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def lora_module(item: str) -> tuple[str, str]:
+    """``"plan=DIR"`` -> ``("plan", "DIR")`` (an argparse ``type``).
+
+    Raises:
+        argparse.ArgumentTypeError: not ``NAME=DIR``.
+    """
+    name, sep, path = item.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"takes NAME=DIR, got {item!r}")
+    return name, path
+
+
+def adapters_from_args(args: argparse.Namespace) -> dict[str, str]:
+    """``--lora-modules`` as ``{name: folder}``.
+
+    Raises:
+        AdapterError: a name is given twice.
+    """
+    from precache.errors import AdapterError
+
+    out: dict[str, str] = {}
+    for name, path in args.lora_modules:
+        if name in out:
+            raise AdapterError(f"--lora-modules names the adapter '{name}' twice")
+        out[name] = path
+    return out
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model``, ``--lora-modules``, ``--dtype``, ``--device`` (shared with ``bench serve``)."""
+    parser.add_argument(
+        "--model", default=None, help="HF checkpoint folder or .gguf (default: embedded SmolLM2)"
+    )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="*",
+        type=lora_module,
+        default=[],
+        metavar="NAME=DIR",
+        help="adapters by agent name",
+    )
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--device", default=None, help="torch device (default: CPU)")
+
+
+def load_model_from_args(args: argparse.Namespace):
+    """The model of ``--model/--dtype/--device`` (raises ModelLoadError)."""
+    import torch
+
+    import precache
+
+    return precache.load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+
+
+def served_model_name(args: argparse.Namespace, model) -> str:
+    """``--served-model-name``, else the checkpoint folder's name, else ``base``."""
+    if getattr(args, "served_model_name", None):
+        return args.served_model_name
+    return Path(model.path).name if getattr(model, "path", "") else "base"
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    import precache
+    from precache.server.app import create_app
+    from precache.server.config import ServerConfig
+
+    try:
+        adapters = adapters_from_args(args)
+        model = load_model_from_args(args)
+        engine = precache.Engine(model, adapters=adapters, method=args.method)
+    except precache.PrecacheError as exc:
+        logger.error("%s: %s", type(exc).__name__, exc)
+        return 1
+    config = ServerConfig(
+        model_name=served_model_name(args, model),
+        max_cache_bytes=args.max_cache_bytes,
+        max_running=args.max_num_seqs,
+        max_step_tokens=args.max_num_batched_tokens,
+    )
+    logger.info(
+        "serving %s (%s, adapters: %s) on http://%s:%d/v1",
+        config.model_name,
+        engine.method_name,
+        ", ".join(adapters) or "none",
+        args.host,
+        args.port,
+    )
+    uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Register ``precache serve``."""
+    from precache.methods import METHODS
+
+    p = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching and prefix reuse")
+    add_engine_arguments(p)
+    p.add_argument("--method", default="prelrshared", choices=(*METHODS, "rebaseshared"))
+    p.add_argument("--served-model-name", default=None, help="API id of the base model")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-cache-bytes", type=int, default=2 * 1024**3, help="cache budget over all sessions")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests batched at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill tokens per forward")
+    p.set_defaults(func=_serve)

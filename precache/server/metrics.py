@@ -1,0 +1,75 @@
+"""Prometheus metrics of the server, in a registry of its own (several servers may share a process,
+as in the tests). Updated from the scheduler thread; prometheus_client is thread-safe."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ServerMetrics:
+    """TTFT and latency histograms (seconds, by model name), requests per batched forward, token
+    counters, the cached-token ratio (cached prompt tokens / prompt tokens since start), and gauges
+    of cache bytes, sessions, running and waiting requests."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "precache_time_to_first_token_seconds",
+            "Arrival to first token",
+            ["model"],
+            registry=r,
+            buckets=_TIME_BUCKETS,
+        )
+        self.latency = Histogram(
+            "precache_request_latency_seconds",
+            "Arrival to last token",
+            ["model"],
+            registry=r,
+            buckets=_TIME_BUCKETS,
+        )
+        self.prompt_tokens = Counter(
+            "precache_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.cached_tokens = Counter(
+            "precache_cached_prompt_tokens", "Prompt tokens read from the shared cache", registry=r
+        )
+        self.generation_tokens = Counter("precache_generation_tokens", "Tokens generated", registry=r)
+        self.batch_requests = Histogram(
+            "precache_batch_requests",
+            "Requests per batched forward",
+            registry=r,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+        )
+        self.requests = Counter("precache_requests", "Requests by outcome", ["outcome"], registry=r)
+        self.cached_ratio = Gauge(
+            "precache_cached_token_ratio", "Cached prompt tokens / prompt tokens since start", registry=r
+        )
+        self.cache_bytes = Gauge("precache_kv_cache_bytes", "Bytes held by all sessions' caches", registry=r)
+        self.sessions = Gauge("precache_sessions", "Cached trajectories", registry=r)
+        self.running = Gauge("precache_running_requests", "Requests in the batch", registry=r)
+        self.waiting = Gauge("precache_waiting_requests", "Requests waiting for admission", registry=r)
+        self._prompt = self._cached = 0
+
+    def finished(self, model: str, latency_s: float, prompt: int, cached: int, generated: int, outcome: str):
+        """Record a finished request (token counts in tokens)."""
+        self.latency.labels(model).observe(latency_s)
+        self.prompt_tokens.inc(prompt)
+        self.cached_tokens.inc(cached)
+        self.generation_tokens.inc(generated)
+        self.requests.labels(outcome).inc()
+        self._prompt, self._cached = self._prompt + prompt, self._cached + cached
+        self.cached_ratio.set(self._cached / self._prompt if self._prompt else 0.0)
+
+    def render(self) -> tuple[bytes, str]:
+        """The text exposition format and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
