@@ -90,7 +90,7 @@ def _bench_trace(args: argparse.Namespace) -> int:
     methods = _methods(args.methods)
     trace = load_trace(_trace_path(args.trace))
     adapters = resolve_adapters(args.adapters, trace.agents)
-    model = precache.load_model(args.model)
+    model = precache.load_model(args.model, max_context=args.max_context)
     check_fits(trace, model.max_context)
     stream = token_stream(trace, model.config.vocab_size, _special_ids(model), args.seed)
     runners = {}
@@ -174,6 +174,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     trace.add_argument("--seed", type=int, default=0, help="seed of the appended random token stream")
     trace.add_argument("--plot", help="PNG: TTFT per turn and KV bytes over the trajectory")
     trace.add_argument("--no-hf-peft", action="store_true", help="skip the HF transformers + PEFT baseline")
+    trace.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="tokens of RoPE tables past the model's own length (paper_L4096 needs 17,296 on SmolLM2's 8,192)",
+    )
     _common(trace, ",".join(METHODS))
     trace.set_defaults(func=_guarded(_bench_trace))
 

@@ -143,7 +143,7 @@ def check_fits(trace: Trace, max_context: int) -> None:
     if trace.total_tokens > max_context:
         raise TraceError(
             f"trace {trace.name} needs {trace.total_tokens:,} tokens, the model's context length is "
-            f"{max_context:,}"
+            f"{max_context:,} (pass --max-context {trace.total_tokens} to extend RoPE past it)"
         )
 
 
