@@ -29,5 +29,13 @@ test: $(STAMP)
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m precache.cli demo
 
+METHODS := nonshared,fullshared,baseshared,prelrshared,rebaseshared-lp,rebaseshared-db
+bench: $(STAMP)
+	mkdir -p benchmarks/results
+	HF_HUB_OFFLINE=1 $(PY) -m precache.cli bench trace --trace benchmarks/traces/paper_L1024.csv \
+	  --adapters qv --methods $(METHODS) --repeats 3 --threads 2 \
+	  --json benchmarks/results/trace_L1024_qv.json --markdown benchmarks/results/trace_L1024_qv.md \
+	  --plot benchmarks/results/trace_L1024_qv.png
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
