@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.test_server_support import BASE, char_tokenizer, check_all_sessions, live, tiny_engine
+from tests.test_server_support import BASE, char_tokenizer, check_all_sessions, live, tiny_engine, wait_idle
 
 MAX_CONTEXT = 256  # the tiny model's
 
@@ -177,20 +177,6 @@ def _slow_model(server, delay_s: float):
     model.forward = slow
 
 
-def _wait_idle(server, timeout_s: float = 10.0) -> list[tuple[list[int], bool]]:
-    """Wait until no request runs; return ``(trajectory, busy)`` of every session."""
-    scheduler = server.app.state.scheduler
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        running = scheduler.call(lambda pool: len(scheduler._running) + len(scheduler._waiting)).result(10)
-        if not running:
-            return scheduler.call(
-                lambda pool: [(list(e.session.token_ids), e.busy) for e in pool.entries.values()]
-            ).result(10)
-        time.sleep(0.02)
-    raise AssertionError("requests still running")
-
-
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_leaves_cancels_its_request_and_frees_the_session(served, stream):
     server, client = served
@@ -206,7 +192,7 @@ def test_a_client_that_leaves_cancels_its_request_and_frees_the_session(served, 
         else:
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(f"{server.url}/completions", json=body, timeout=0.3)
-        sessions = _wait_idle(server)
+        sessions = wait_idle(server)
     finally:
         _slow_model(server, 0)
     mine = [ids for ids, _ in sessions if ids[: len(prompt)] == prompt]

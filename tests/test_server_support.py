@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 
 import openai
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -53,7 +54,7 @@ def tiny_engine(tiny, method: str) -> precache.Engine:
 @contextlib.contextmanager
 def live(engine, **config):
     """``(server, client)``: the API over ``engine`` on a free loopback port and an OpenAI client."""
-    app = create_app(engine, ServerConfig(model_name=BASE, **config))
+    app = create_app(engine, ServerConfig(**{"model_name": BASE, **config}))
     with LiveServer(app) as server:
         client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
         try:
@@ -62,8 +63,24 @@ def live(engine, **config):
             client.close()
 
 
+def wait_idle(server, timeout_s: float = 10.0) -> list[tuple[list[int], bool]]:
+    """Wait until no request runs (post-turn passes included); return ``(trajectory, busy)`` of
+    every session."""
+    scheduler = server.app.state.scheduler
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not sum(scheduler.call(lambda pool: scheduler.load()).result(10)):
+            return scheduler.call(
+                lambda pool: [(list(e.session.token_ids), e.busy) for e in pool.entries.values()]
+            ).result(10)
+        time.sleep(0.02)
+    raise AssertionError("requests still running")
+
+
 def check_all_sessions(server) -> int:
-    """Run the cache integrity check on every cached session (on the scheduler thread); return how many."""
+    """Once idle, run the cache integrity check on every cached session (on the scheduler thread);
+    return how many there are."""
+    wait_idle(server)
     scheduler = server.app.state.scheduler
 
     def check(pool):

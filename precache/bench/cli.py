@@ -168,6 +168,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     bench = sub.add_parser("bench", help="benchmarks: trace replay against NonShared and HF + PEFT")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from precache.server.bench import add_bench_serve
+
+    add_bench_serve(bench_sub)
     trace = bench_sub.add_parser("trace", help="replay an agent trace with every method, side by side")
     trace.add_argument("--trace", required=True, help="CSV agent,prefill_len,decode_len (or a shipped name)")
     trace.add_argument("--repeats", type=int, default=3, help="timed replays per method (median reported)")

@@ -60,7 +60,12 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="precache", lifespan=lifespan)
     app.state.scheduler, app.state.engine, app.state.config = scheduler, engine, config
     install_error_handlers(app)
-    api = _Api(engine, config, codec, scheduler)
+    _add_routes(app, _Api(engine, config, codec, scheduler), metrics)
+    return app
+
+
+def _add_routes(app: FastAPI, api: _Api, metrics: ServerMetrics) -> None:
+    engine, scheduler, codec = api.engine, api.scheduler, api.codec
 
     @app.get("/health")
     async def health():
@@ -88,8 +93,6 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         agent = api.agent(body.model)
         ids = chat_prompt(body, codec)
         return await api.generate(request, body, agent, ids, "chat", None)
-
-    return app
 
 
 class _Api:

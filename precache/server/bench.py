@@ -20,7 +20,6 @@ from precache.server.cli import (
     load_model_from_args,
     served_model_name,
 )
-from precache.server.loadgen import replay, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +57,6 @@ def run_serve_bench(
     """
     import precache
     from precache.bench.trace import TraceError
-    from precache.server import LiveServer, ServerConfig, create_app
 
     check_fits(trace, model.max_context)
     missing = [a for a in trace.agents if a not in adapters]
@@ -66,34 +64,47 @@ def run_serve_bench(
         raise TraceError(
             f"trace agents without an adapter: {', '.join(missing)} (loaded: {', '.join(adapters)})"
         )
-    special = set(getattr(model.tokenizer, "all_special_ids", []) or [])
     result: dict = {"trace": trace.name, "sessions": sessions, "qps": qps_levels, "methods": {}}
     for method in methods:
         engine = precache.Engine(model, adapters=adapters, method=method)
-        special_ids = special | set(engine.eos_token_ids)
-        per_qps = {}
-        for i, qps in enumerate(qps_levels):
-            app = create_app(engine, ServerConfig(model_name=model_name))
-            with LiveServer(app) as server:
-                records, wall = asyncio.run(
-                    replay(
-                        server.url,
-                        trace,
-                        sessions,
-                        qps,
-                        model.config.vocab_size,
-                        special_ids,
-                        seed + 1000 * i,
-                    )
-                )
-            per_qps[str(qps)] = summary = summarize(records, wall)
-            logger.info(
-                "%s @ %.2f req/s: TTFT p50 %.3f s, p90 %.3f s; latency p50 %.3f s; %.1f tok/s; %d errors",
-                method, qps, summary["ttft_p50_s"], summary["ttft_p90_s"], summary["latency_p50_s"],
-                summary["throughput_tok_s"], summary["errors"],
-            )  # fmt: skip
-        result["methods"][engine.method_name] = per_qps
+        result["methods"][engine.method_name] = {
+            str(qps): _run_level(engine, trace, sessions, qps, model_name, seed + 1000 * i)
+            for i, qps in enumerate(qps_levels)
+        }
     return result
+
+
+def _run_level(engine, trace: Trace, sessions: int, qps: float, model_name: str, seed: int) -> dict:
+    """One method at one request rate, on a fresh server: the summary of the replay."""
+    from precache.server import LiveServer, ServerConfig, create_app
+    from precache.server.loadgen import replay, summarize
+
+    model = engine.model
+    special = set(getattr(model.tokenizer, "all_special_ids", []) or []) | set(engine.eos_token_ids)
+    with LiveServer(create_app(engine, ServerConfig(model_name=model_name))) as server:
+        _warm_up(server.url, trace.agents[0])
+        vocab = model.config.vocab_size
+        records, wall = asyncio.run(replay(server.url, trace, sessions, qps, vocab, special, seed))
+    s = summarize(records, wall)
+    logger.info(
+        "%s @ %.2f req/s: TTFT p50 %.3f s, p90 %.3f s; latency p50 %.3f s; %.1f tok/s; %d errors",
+        engine.method_name,
+        qps,
+        s["ttft_p50_s"],
+        s["ttft_p90_s"],
+        s["latency_p50_s"],
+        s["throughput_tok_s"],
+        s["errors"],
+    )
+    return s
+
+
+def _warm_up(base_url: str, agent: str) -> None:
+    """One short request, so the first measured one does not pay for lazy initialisation."""
+    import openai
+
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+        client.completions.create(model=agent, prompt=[7] * 8, max_tokens=2, temperature=0)
 
 
 def plot_ttft_vs_qps(result: dict, path: str | os.PathLike) -> Path:
@@ -107,7 +118,8 @@ def plot_ttft_vs_qps(result: dict, path: str | os.PathLike) -> Path:
     for method, per_qps in result["methods"].items():
         qps = [float(q) for q in per_qps]
         (line,) = ax.plot(qps, [s["ttft_p50_s"] for s in per_qps.values()], marker="o", label=f"{method} p50")
-        ax.plot(qps, [s["ttft_p90_s"] for s in per_qps.values()], ls="--", color=line.get_color(), alpha=0.7)
+        p90 = [s["ttft_p90_s"] for s in per_qps.values()]
+        ax.plot(qps, p90, ls="--", color=line.get_color(), alpha=0.7, label=f"{method} p90")
     ax.set(xlabel="request rate (requests/s)", ylabel="TTFT (s)", title=f"TTFT vs load, {result['trace']}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -159,6 +171,9 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from precache.errors import PrecacheError
+
+    for name in ("httpx", "httpx2"):  # the openai client logs every request at INFO
+        logging.getLogger(name).setLevel(logging.WARNING)
 
     try:
         trace = load_trace(args.trace) if args.trace else SMOKE_TRACE

@@ -69,6 +69,10 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout_s)
 
+    def load(self) -> tuple[int, int]:
+        """``(running, waiting)`` requests (exact when called through :meth:`call`)."""
+        return len(self._running), len(self._waiting)
+
     def submit(self, job: Job) -> None:
         """Queue ``job`` (bound to an event loop). Raises APIError 503 when the scheduler is down."""
         if not self.alive:
@@ -153,6 +157,11 @@ class Scheduler:
                 self.pool.release(claim.entry)
                 job.emit(ErrorEvent(400, str(exc), "invalid_request"))
                 continue
+            except Exception:
+                logger.exception("opening a turn failed for request %d", job.id)
+                self.pool.discard(claim.entry)
+                job.emit(ErrorEvent(500, "opening the turn failed", "internal_error"))
+                continue
             self._running.append(_Active(job, claim, turn))
         self._waiting = waiting
         self.metrics.waiting.set(len(waiting))
@@ -187,6 +196,7 @@ class Scheduler:
             s = active.claim.entry.session
             s.peak_bytes = max(s.peak_bytes, s.cache_bytes()["total"])
         self._retire()
+        self.metrics.running.set(len(self._running))
         self.pool.evict()
         self.metrics.cache_bytes.set(self.pool.total_bytes())
         self.metrics.sessions.set(len(self.pool))
