@@ -15,7 +15,9 @@ _COMMAND_MODULES = ("precache.demo", "precache.agents.cli", "precache.bench.cli"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="precache", description="KV cache sharing for multi-LoRA agent systems")
+    parser = argparse.ArgumentParser(
+        prog="precache", description="KV cache sharing for multi-LoRA agent systems"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in _COMMAND_MODULES:

@@ -8,12 +8,12 @@ import torch
 
 from precache.cache.plan import run_plans
 from precache.config import SamplingParams
+from precache.engine.turn import DONE, SteppedTurn
 from precache.server.errors import APIError
 from precache.server.prefix import TokenTrie
 from precache.server.protocol import CompletionRequest, sampling_params
 from precache.server.responses import StopTrimmer
 from precache.server.sessions import SessionPool
-from precache.server.turns import DONE, SteppedTurn
 from tests.tiny import make_engine
 
 

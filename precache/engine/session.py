@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -10,7 +9,7 @@ import torch
 
 from precache.cache.plan import run_plans
 from precache.config import SamplingParams
-from precache.engine.sampler import sample
+from precache.engine.turn import DONE, SteppedTurn
 from precache.errors import ContextLengthError, EmptyRequestError, UnknownAdapterError
 
 
@@ -143,10 +142,15 @@ class Session:
 
         Validation happens on the call, before the first token is requested.
         """
-        params = self._validate(agent, kwargs)
+        params = self.validate(agent, kwargs)
         return self._turn(agent, params)
 
-    def _validate(self, agent: str | None, kwargs: dict) -> SamplingParams:
+    def validate(self, agent: str | None, kwargs: dict) -> SamplingParams:
+        """Check a turn request against this session; return its :class:`SamplingParams`.
+
+        Raises:
+            UnknownAdapterError, EmptyRequestError, ContextLengthError, ValueError: bad request.
+        """
         if agent is not None and agent not in self.engine.adapters:
             loaded = ", ".join(self.engine.adapters) or "none"
             raise UnknownAdapterError(f"adapter '{agent}' is not loaded (loaded: {loaded})")
@@ -162,25 +166,9 @@ class Session:
             )
         return params
 
-    def _forward(self, plans) -> torch.Tensor:
-        logits = run_plans(self.engine.model, plans)[0]
+    def note_cache_bytes(self) -> None:
+        """Fold the current cache size into ``peak_bytes`` (called after every forward)."""
         self.peak_bytes = max(self.peak_bytes, self.method.cache_bytes(self.state)["total"])
-        return logits
-
-    def _mark_authors(self, agent: str | None, end: int) -> None:
-        self.authors.extend([agent] * (end - len(self.authors)))
-
-    def _prefill(self, agent: str | None) -> tuple[torch.Tensor, int, int]:
-        n = len(self.token_ids)
-        if self.method.prefill_start(self.state, agent) >= n:  # all cached: recompute the last token
-            self.method.truncate(self.state, n - 1)
-            del self.authors[n - 1 :]
-        self.method.begin_turn(self.state, agent)
-        start = self.method.prefill_start(self.state, agent)
-        plans = self.method.plans(self.state, agent, self.token_ids[start:], start)
-        logits = self._forward(plans)
-        self._mark_authors(agent, n)
-        return logits, start, sum(len(p.token_ids) for p in plans)
 
     def teacher_force(self, agent: str | None, token_ids: list[int]) -> Turn:
         """Run ``agent``'s turn producing exactly ``token_ids`` (teacher forcing) and return it, with
@@ -192,7 +180,7 @@ class Session:
         """
         if not token_ids:
             raise EmptyRequestError("teacher forcing needs at least one token")
-        params = self._validate(agent, {"max_new_tokens": len(token_ids)})
+        params = self.validate(agent, {"max_new_tokens": len(token_ids)})
         if len(self.token_ids) + len(token_ids) > self.engine.max_context:
             raise ContextLengthError(
                 f"forcing {len(token_ids)} tokens passes the context length {self.engine.max_context}"
@@ -204,53 +192,29 @@ class Session:
     def _turn(
         self, agent: str | None, params: SamplingParams, forced: list[int] | None = None
     ) -> Iterator[StreamChunk]:
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        budget = min(params.max_new_tokens, self.engine.max_context - len(self.token_ids))
-        t0 = time.perf_counter()
-        logits, start, prefill_tokens = self._prefill(agent)
-        out: list[int] = []
-        seen_logits = [logits] if forced is not None else None
-        reason, ttft, first_logits = "length", 0.0, logits
-        while True:
-            token = forced[len(out)] if forced is not None else sample(logits, params, gen)
-            out.append(token)
-            self.token_ids.append(token)
-            if len(out) == 1:
-                ttft = time.perf_counter() - t0
-            yield StreamChunk(token, self.engine.decode_piece(out))
-            reason = None if forced is not None else self._stop_reason(out, params)
-            if reason or len(out) >= budget:
-                break
-            pos = len(self.token_ids) - 1
-            logits = self._forward(self.method.plans(self.state, agent, [token], pos))
-            self._mark_authors(agent, pos + 1)
-            if seen_logits is not None:
-                seen_logits.append(logits)
-        t1 = time.perf_counter()
-        post = self.method.end_turn(self.state, agent, self.token_ids)
-        if post:
-            run_plans(self.engine.model, post)
-            self.peak_bytes = max(self.peak_bytes, self.method.cache_bytes(self.state)["total"])
+        turn = SteppedTurn(self, agent, params, forced=forced)
+        try:
+            while turn.phase != DONE:
+                plans = turn.plans()
+                step = turn.advance(run_plans(self.engine.model, plans)[0])
+                if step is not None:
+                    yield StreamChunk(*step)
+        finally:
+            if turn.phase != DONE:  # the consumer stopped early: close the turn, keep the caches sound
+                turn.finish("cancelled")
+                if turn.post:
+                    run_plans(self.engine.model, turn.post)
         self.last_turn = Turn(
             agent,
-            out,
-            self.engine.decode(out),
-            ttft,
-            t1 - t0 - ttft,
-            prefill_tokens,
-            reason or "length",
-            sum(len(p.token_ids) for p in post),
-            time.perf_counter() - t1,
-            start,
-            first_logits,
-            torch.stack(seen_logits) if seen_logits is not None else None,
+            turn.out,
+            self.engine.decode(turn.out),
+            turn.t_first - turn.t_open,
+            turn.t_end - turn.t_first,
+            turn.prefill_tokens,
+            turn.finish_reason,
+            sum(len(p.token_ids) for p in turn.post),
+            turn.t_done - turn.t_end,
+            turn.cached_tokens,
+            turn.first_logits,
+            torch.stack(turn.logits) if forced is not None else None,
         )
-
-    def _stop_reason(self, out: list[int], params: SamplingParams) -> str | None:
-        if out[-1] in self.engine.eos_token_ids:
-            return "eos"
-        if params.stop:
-            tail = self.engine.decode(out[-16:])
-            if any(s in tail for s in params.stop):
-                return "stop"
-        return None

@@ -116,7 +116,12 @@ class LlamaModel:
     """
 
     def __init__(
-        self, config: ModelConfig, hf_config, state: dict[str, torch.Tensor], tokenizer=None, path="",
+        self,
+        config: ModelConfig,
+        hf_config,
+        state: dict[str, torch.Tensor],
+        tokenizer=None,
+        path="",
         max_context: int | None = None,
     ):
         self.config, self.hf_config, self.tokenizer, self.path = config, hf_config, tokenizer, str(path)
@@ -133,8 +138,10 @@ class LlamaModel:
     def _layer_weights(self, state: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
         p, c = f"model.layers.{i}.", self.config
         get = state.get
-        attn = {proj: (state[f"{p}self_attn.{proj}.weight"], get(f"{p}self_attn.{proj}.bias"))
-                for proj in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        attn = {
+            proj: (state[f"{p}self_attn.{proj}.weight"], get(f"{p}self_attn.{proj}.bias"))
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj")
+        }
         sizes = [c.q_size, c.kv_size, c.kv_size]
         wq, wk, wv = (attn[x][0] for x in ("q_proj", "k_proj", "v_proj"))
         return {
@@ -143,7 +150,9 @@ class LlamaModel:
             "q_norm": get(p + "self_attn.q_norm.weight"),
             "k_norm": get(p + "self_attn.k_norm.weight"),
             "qkv": torch.cat([wq, wk, wv]),
-            "qkv_bias": _cat_bias(*(attn[x][1] for x in ("q_proj", "k_proj", "v_proj")), sizes=sizes, like=wq),
+            "qkv_bias": _cat_bias(
+                *(attn[x][1] for x in ("q_proj", "k_proj", "v_proj")), sizes=sizes, like=wq
+            ),
             "o_proj": attn["o_proj"][0],
             "o_proj_bias": attn["o_proj"][1],
             "gate_up": torch.cat([state[f"{p}mlp.gate_proj.weight"], state[f"{p}mlp.up_proj.weight"]]),
@@ -201,7 +210,9 @@ class LlamaModel:
         """
         c = self.config
         if positions.numel() and int(positions.max()) >= self.max_context:
-            raise ContextLengthError(f"position {int(positions.max())} is past the context length {self.max_context}")
+            raise ContextLengthError(
+                f"position {int(positions.max())} is past the context length {self.max_context}"
+            )
         x = self.embed[input_ids]  # [N, hidden]
         cos, sin = self.rope.tables(positions)
         for i, w in enumerate(self.layers):

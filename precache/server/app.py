@@ -125,7 +125,7 @@ class _Api:
         check_prompt(ids, self.engine.max_context)
         room = self.engine.max_context - len(ids)
         params = sampling_params(body, room if default_max is None else default_max)
-        job = Job(agent, ids, params, body.model, body.session_id, body.ignore_eos)
+        job = Job(agent, ids, params, body.model, body.session_id)
         job.bind(asyncio.get_running_loop())
         self.scheduler.submit(job)
         renderer = Renderer(kind, body.model, ids, body.return_token_ids)

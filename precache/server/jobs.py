@@ -56,7 +56,7 @@ class Job:
     """One request: ``agent`` (adapter name, None: base model) continues ``prompt_ids``.
 
     ``model`` is the name the client asked for (metrics label); ``arrival`` a ``perf_counter``
-    time in seconds; ``session_id`` pins a trajectory; ``ignore_eos`` keeps decoding past EOS.
+    time in seconds; ``session_id`` pins a trajectory.
     """
 
     agent: str | None
@@ -64,7 +64,6 @@ class Job:
     params: SamplingParams
     model: str = ""
     session_id: str | None = None
-    ignore_eos: bool = False
     id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.perf_counter)
     loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)

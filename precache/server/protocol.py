@@ -93,7 +93,9 @@ def sampling_params(req: _GenerationRequest, default_max_tokens: int) -> Samplin
         if not ok:
             raise APIError(400, message, param, "invalid_value")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(s for s in req.stop or () if s)
-    return SamplingParams(max_tokens, temperature, top_p, max(0, req.top_k or 0), stop, req.seed)
+    return SamplingParams(
+        max_tokens, temperature, top_p, max(0, req.top_k or 0), stop, req.seed, ignore_eos=req.ignore_eos
+    )
 
 
 def completion_prompt(req: CompletionRequest, codec, vocab_size: int) -> list[int]:

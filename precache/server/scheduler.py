@@ -17,13 +17,13 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 
 from precache.cache.plan import run_plans
+from precache.engine.turn import DECODE, DONE, POST, PREFILL, SteppedTurn
 from precache.errors import PrecacheError
 from precache.server.config import ServerConfig
 from precache.server.errors import APIError
 from precache.server.jobs import DoneEvent, ErrorEvent, Job, TokenEvent
 from precache.server.metrics import ServerMetrics
 from precache.server.sessions import Claim, SessionPool
-from precache.server.turns import DECODE, DONE, POST, PREFILL, SteppedTurn
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +151,8 @@ class Scheduler:
                 continue
             session = claim.entry.session
             try:
-                params = session._validate(job.agent, asdict(job.params))
-                turn = SteppedTurn(session, job.agent, params, self.codec, job.ignore_eos)
+                params = session.validate(job.agent, asdict(job.params))
+                turn = SteppedTurn(session, job.agent, params, self.codec)
             except PrecacheError as exc:
                 self.pool.release(claim.entry)
                 job.emit(ErrorEvent(400, str(exc), "invalid_request"))

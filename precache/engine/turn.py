@@ -1,42 +1,55 @@
-"""One agent's turn on a session, advanced one forward at a time: the step-wise form of
-``Session._turn`` that the scheduler interleaves with other sessions' turns in one batch.
+"""One agent's turn on a session, advanced one forward at a time.
 
-Protocol (ARCHITECTURE.md, "The path of a request"): ``prefill_start`` -> ``begin_turn`` ->
-prefill plans (here in chunks) -> sample -> one-token decode plans -> ``end_turn``, whose post-turn
-plans (ReBaseShared LP's neutral pass) run in a later batch before the session is free again.
+:meth:`Session.generate` drives a turn alone (the whole prefill in one forward); the server's
+scheduler interleaves many turns' rows in one batch, with chunked prefill. Both use this class,
+so the turn protocol lives in one place (ARCHITECTURE.md, "The path of a request"):
+``prefill_start`` -> ``begin_turn`` -> prefill plans -> sample -> one-token decode plans ->
+``end_turn``, whose post-turn plans (ReBaseShared LP's neutral pass) run last.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 from precache.cache.plan import RowPlan
 from precache.config import SamplingParams
 from precache.engine.sampler import sample
-from precache.engine.session import Session
 
 PREFILL, DECODE, POST, DONE = "prefill", "decode", "post", "done"
 
 
 class SteppedTurn:
-    """A turn of ``agent`` (None: base model) on ``session``, whose trajectory already ends with
-    the prompt. Opening it starts the turn on the caches (call between turns only).
+    """A turn of ``agent`` (None: base model) on ``session``, whose trajectory ends with the prompt.
+    Opening it starts the turn on the caches (between turns only).
 
-    Each step: :meth:`plans` gives the rows of this turn for the next forward, the scheduler runs
-    them with other turns' rows, then :meth:`advance` takes the first row's logits ``[vocab]``.
-    ``phase`` goes ``prefill`` -> ``decode`` -> (``post``) -> ``done``. ``cached_tokens``: prompt
-    tokens read from the cache instead of prefilled (the turn's first prefill position).
+    Each step: :meth:`plans` gives this turn's rows for the next forward, the caller runs them
+    (alone or with other turns' rows), then :meth:`advance` takes the first row's logits
+    ``[vocab]``. ``phase`` goes ``prefill`` -> ``decode`` -> (``post``) -> ``done``.
+    ``cached_tokens`` is the first prefill position (prompt tokens read from the cache);
+    ``forced`` replaces the sampler by these tokens (teacher forcing, logits kept in ``logits``).
+    Times (seconds, ``time.perf_counter``): ``t_open``, ``t_first`` (first token), ``t_end``
+    (turn closed), ``t_done`` (post-turn pass run).
     """
 
-    def __init__(self, session: Session, agent: str | None, params: SamplingParams, codec, ignore_eos=False):
-        self.session, self.agent, self.params, self.codec = session, agent, params, codec
-        self.method, self.ignore_eos = session.method, ignore_eos
+    def __init__(
+        self, session, agent: str | None, params: SamplingParams, codec=None, forced: list[int] | None = None
+    ):
+        self.session, self.agent, self.params = session, agent, params
+        self.codec = codec or session.engine
+        self.method, self.forced = session.method, forced
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.budget = min(params.max_new_tokens, session.engine.max_context - len(session.token_ids))
         self.out: list[int] = []
+        self.logits: list[torch.Tensor] = []
+        self.first_logits: torch.Tensor | None = None
         self.finish_reason: str | None = None
         self.post: list[RowPlan] = []
+        self.prefill_tokens = 0
         self._end = 0
+        self.t_open = time.perf_counter()
+        self.t_first = self.t_end = self.t_done = 0.0
         n, state = len(session.token_ids), session.state
         if self.method.prefill_start(state, agent) >= n:  # all cached: recompute the last token
             self.method.truncate(state, n - 1)
@@ -50,9 +63,9 @@ class SteppedTurn:
         """Prompt tokens still to prefill."""
         return len(self.session.token_ids) - self.pos if self.phase == PREFILL else 0
 
-    def plans(self, max_prefill: int) -> list[RowPlan]:
-        """Rows for the next forward: a prefill chunk of at most ``max_prefill`` tokens (at least
-        one), the last sampled token, or the post-turn plans. The first row carries the logits."""
+    def plans(self, max_prefill: int | None = None) -> list[RowPlan]:
+        """Rows for the next forward: a prefill chunk of at most ``max_prefill`` tokens (None: all;
+        at least one), the last sampled token, or the post-turn plans. The first row carries the logits."""
         s = self.session
         if self.phase == POST:
             return self.post
@@ -60,8 +73,10 @@ class SteppedTurn:
             pos = len(s.token_ids) - 1
             self._end = pos + 1
             return self.method.plans(s.state, self.agent, [s.token_ids[pos]], pos)
-        self._end = min(len(s.token_ids), self.pos + max(1, max_prefill))
+        left = len(s.token_ids) - self.pos
+        self._end = self.pos + (left if max_prefill is None else min(left, max(1, max_prefill)))
         plans = self.method.plans(s.state, self.agent, s.token_ids[self.pos : self._end], self.pos)
+        self.prefill_tokens += sum(len(p.token_ids) for p in plans)
         if self._end < len(s.token_ids):  # an inner chunk: nothing to sample yet
             for plan in plans:
                 plan.want_logits = False
@@ -71,18 +86,25 @@ class SteppedTurn:
         """Take the forward of :meth:`plans`; return ``(token id, text it adds)`` when a token was
         sampled, None otherwise (an inner prefill chunk or the post-turn pass)."""
         s = self.session
+        s.note_cache_bytes()
         if self.phase == POST:
-            self.phase = DONE
+            self.phase, self.t_done = DONE, time.perf_counter()
             return None
         s.authors.extend([self.agent] * (self._end - len(s.authors)))
         if self.phase == PREFILL:
             self.pos = self._end
             if self.pos < len(s.token_ids):
                 return None
-            self.phase = DECODE
-        token = sample(logits, self.params, self.generator)
+            self.phase, self.first_logits = DECODE, logits
+        if self.forced is not None:
+            self.logits.append(logits)
+            token = self.forced[len(self.out)]
+        else:
+            token = sample(logits, self.params, self.generator)
         self.out.append(token)
         s.token_ids.append(token)
+        if len(self.out) == 1:
+            self.t_first = time.perf_counter()
         reason = self._stop_reason()
         if reason or len(self.out) >= self.budget:
             self.finish(reason or "length")
@@ -93,12 +115,16 @@ class SteppedTurn:
         in the trajectory. No-op when already closed."""
         if self.phase not in (PREFILL, DECODE):
             return
-        self.finish_reason = reason
+        self.finish_reason, self.t_end = reason, time.perf_counter()
         self.post = self.method.end_turn(self.session.state, self.agent, self.session.token_ids)
         self.phase = POST if self.post else DONE
+        if not self.post:
+            self.t_done = self.t_end
 
     def _stop_reason(self) -> str | None:
-        if not self.ignore_eos and self.out[-1] in self.session.engine.eos_token_ids:
+        if self.forced is not None:
+            return None
+        if not self.params.ignore_eos and self.out[-1] in self.session.engine.eos_token_ids:
             return "eos"
         if self.params.stop:
             tail = self.codec.decode(self.out[-16:])
