@@ -172,3 +172,18 @@ def test_teacher_forcing_the_greedy_tokens_reproduces_generate(tiny, method):
             strict=True,
         ):
             assert torch.allclose(x, y, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["prelrshared", "rebaseshared-lp"])
+def test_an_abandoned_stream_closes_its_turn(tiny, method):
+    model, dirs, _ = tiny
+    engine = make_engine(model, dirs, method)
+    s = engine.session()
+    s.append(list(range(10, 30)))
+    stream = s.stream(agent="plan", max_new_tokens=10)
+    first = [next(stream).token_id, next(stream).token_id]
+    stream.close()  # the consumer walks away after two tokens
+    assert s.token_ids[-2:] == first and s.state.turn_start is None
+    s.check()  # every LR cache as long as the base again (LP ran its neutral pass)
+    assert s.state.base.length == len(s) - 1
+    assert len(s.generate(agent="action", max_new_tokens=3).token_ids) == 3
