@@ -34,7 +34,7 @@ def run_demo(
     from precache.agents.loop import run_episode
     from precache.agents.prompt import ROLES
 
-    console = console or Console()
+    console = console or Console(width=max(132, Console().width))
     model = precache.load_model()
     question = get_question(question_id) if question_id else load_questions("dev")[0]
     console.print(
