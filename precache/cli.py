@@ -36,7 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )
-    return int(args.func(args) or 0)
+    from precache.errors import PrecacheError
+
+    try:
+        return int(args.func(args) or 0)
+    except PrecacheError as exc:  # bad input: one clear line, no traceback
+        logging.getLogger("precache").error("%s: %s", type(exc).__name__, exc)
+        return 2
 
 
 if __name__ == "__main__":

@@ -71,30 +71,54 @@ def test_judge_forms():
     assert rates == {"n": 2, "adapter": {"form": 0.5}, "base": {"form": 0.0}}
 
 
-def test_greedy_continue_matches_hf_generate():
+class CharTokenizer:
+    """Token i <-> one letter; 63 is EOS."""
+
+    eos_token_id = 63
+
+    def decode(self, ids):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def _tiny_llama():
     transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
-    torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=64,
     )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).eval()
+    return transformers.LlamaForCausalLM(config).eval()
 
-    class CharTokenizer:  # token i <-> chr(ord("a") + i % 26)
-        eos_token_id = 63
 
-        def decode(self, ids):
-            return "".join(chr(ord("a") + i % 26) for i in ids)
-
+def test_greedy_continue_matches_hf_generate():
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = _tiny_llama()
     prefix = [1, 2, 3, 4]
     reference = model.generate(torch.tensor([prefix]), max_new_tokens=12, do_sample=False, eos_token_id=None)
-    new_ids = reference[0, len(prefix) :].tolist()
-    text = CharTokenizer().decode(new_ids)
-    assert greedy_continue(model, CharTokenizer(), prefix, 12, stop=["#"]) == text
+    text = CharTokenizer().decode(reference[0, len(prefix) :].tolist())
+    assert greedy_continue(model, CharTokenizer(), prefix, 12, stop=["#"]) == [text]
     stop = text[5]
     expected = text[: text.index(stop) + 1]
-    assert greedy_continue(model, CharTokenizer(), prefix, 12, stop=[stop]) == expected
+    assert greedy_continue(model, CharTokenizer(), prefix, 12, stop=[stop]) == [expected]
+
+
+def test_greedy_continue_mixed_adapter_rows_match_single_rows():
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(1)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(_tiny_llama(), lora, adapter_name="adapted").eval()
+    with torch.no_grad():  # make the adapter matter: scale its B up
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(20)
+    prefix = [5, 6, 7]
+    rows = greedy_continue(model, CharTokenizer(), prefix, 10, stop=["#"], adapter_names=["__base__", "adapted"])
+    with model.disable_adapter():
+        base = greedy_continue(model, CharTokenizer(), prefix, 10, stop=["#"])
+    adapted = greedy_continue(model, CharTokenizer(), prefix, 10, stop=["#"])
+    assert rows == base + adapted
+    assert base != adapted
 
 
 def test_cli_registers_commands():
@@ -109,5 +133,6 @@ def test_cli_registers_commands():
     assert (args.method, args.limit, args.adapters, args.func.__name__) == ("nonshared", 3, "qv", "_eval")
     args = parser.parse_args(["run", "--question", QID, "--adapters", "all"])
     assert (args.method, args.adapters, args.func.__name__) == ("prelrshared", "all", "_run")
-    assert parser.parse_args(["adapters", "check"]).limit == 20
+    check = parser.parse_args(["adapters", "check", "--set", "qv", "all"])
+    assert (check.set, check.limit) == (["qv", "all"], 20)
     assert prompt.STOP_STRINGS == {"plan": ["["], "action": ["]"], "reflect": ["]"]}

@@ -16,13 +16,11 @@ QID = "5a832c3455429954d2e2ec41"
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    transformers = pytest.importorskip("transformers")
-    from precache.models.loader import precache_home
+    from transformers import AutoTokenizer
 
-    path = precache_home() / "models" / "SmolLM2-135M-Instruct"
-    if not (path / "tokenizer.json").is_file():
-        pytest.skip("embedded SmolLM2 checkpoint not converted yet")
-    return transformers.AutoTokenizer.from_pretrained(path)
+    from precache.models.loader import embedded_checkpoint
+
+    return AutoTokenizer.from_pretrained(embedded_checkpoint())  # converts the GGUF on first use
 
 
 def test_gold_positive_structure():
