@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
 from precache.agents import prompt
 from precache.agents.data import get_question
 from precache.agents.evaluate import evaluate, summarize
-from precache.agents.formcheck import _judge, _rates, greedy_continue
+from precache.agents.formcheck import (
+    MAX_NEW_TOKENS,
+    _judge,
+    _rates,
+    greedy_continue,
+    teacher_forced_continuations,
+)
 from precache.agents.gold import gold_trajectory
 from precache.agents.loop import Episode
 from tests.test_agents_loop import FakeSession, plan
@@ -72,19 +79,22 @@ def test_judge_forms():
 
 
 class CharTokenizer:
-    """Token i <-> one letter; 63 is EOS."""
+    """One token per letter (id = ord % 63); 63 is EOS."""
 
     eos_token_id = 63
 
     def decode(self, ids):
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
+    def __call__(self, text, add_special_tokens=False):
+        return SimpleNamespace(input_ids=[ord(ch) % 63 for ch in text])
+
 
 def _tiny_llama():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64,
+        num_key_value_heads=1, max_position_embeddings=256,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(config).eval()
 
@@ -96,29 +106,32 @@ def test_greedy_continue_matches_hf_generate():
     prefix = [1, 2, 3, 4]
     reference = model.generate(torch.tensor([prefix]), max_new_tokens=12, do_sample=False, eos_token_id=None)
     text = CharTokenizer().decode(reference[0, len(prefix) :].tolist())
-    assert greedy_continue(model, CharTokenizer(), prefix, 12, stop=["#"]) == [text]
+    assert greedy_continue(model, CharTokenizer(), prefix, 12, stop=["#"])[0] == text
     stop = text[5]
     expected = text[: text.index(stop) + 1]
-    assert greedy_continue(model, CharTokenizer(), prefix, 12, stop=[stop]) == [expected]
+    assert greedy_continue(model, CharTokenizer(), prefix, 12, stop=[stop])[0] == expected
 
 
-def test_greedy_continue_mixed_adapter_rows_match_single_rows():
+def test_teacher_forced_continuations_reuse_the_prefix_cache():
+    """One pass with a cut-back cache gives what a fresh greedy run from each prefix gives."""
     torch = pytest.importorskip("torch")
-    peft = pytest.importorskip("peft")
-    torch.manual_seed(1)
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    model = peft.get_peft_model(_tiny_llama(), lora, adapter_name="adapted").eval()
-    with torch.no_grad():  # make the adapter matter: scale its B up
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.mul_(20)
-    prefix = [5, 6, 7]
-    rows = greedy_continue(model, CharTokenizer(), prefix, 10, stop=["#"], adapter_names=["__base__", "adapted"])
-    with model.disable_adapter():
-        base = greedy_continue(model, CharTokenizer(), prefix, 10, stop=["#"])
-    adapted = greedy_continue(model, CharTokenizer(), prefix, 10, stop=["#"])
-    assert rows == base + adapted
-    assert base != adapted
+    torch.manual_seed(2)
+    model, tok = _tiny_llama(), CharTokenizer()
+    pieces = [
+        prompt.Piece("env", "question"),
+        prompt.Piece("plan", "think["),
+        prompt.Piece("action", "arg]"),
+        prompt.Piece("env", "observe"),
+        prompt.Piece("plan", "more["),
+        prompt.Piece("action", "x]"),
+    ]
+    texts = teacher_forced_continuations(model, tok, pieces, ("plan", "action"))
+    assert sorted(texts) == [1, 2, 4, 5]
+    for index, text in texts.items():
+        prefix = [t for p in pieces[:index] for t in tok(p.text).input_ids]
+        role = pieces[index].role
+        fresh, _ = greedy_continue(model, tok, prefix, MAX_NEW_TOKENS[role], prompt.STOP_STRINGS[role])
+        assert text == fresh
 
 
 def test_cli_registers_commands():

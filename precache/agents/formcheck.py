@@ -12,12 +12,15 @@ adapters disabled (the base model). Forms checked (strict):
   answer. ``form`` pools both kinds of position.
 - reflect: ``Reflect[right]`` or ``Reflect[wrong]``; ``verdict_acc`` against the gold verdict.
 
-Uses HF transformers + PEFT directly (independent of the precache engine). Half of the
+Uses HF transformers + PEFT directly (independent of the precache engine). Each condition
+(base model, or one role's adapter, used over the whole prefix as NonShared would) makes one
+pass over the gold trajectory, reusing the prefix KV cache between positions. Half of the
 trajectories are negative ones (wrong answer first), so both verdicts occur.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from pathlib import Path
@@ -33,29 +36,52 @@ from precache.agents.tools import ACTION_TYPES, normalize_title
 
 logger = logging.getLogger(__name__)
 
-MAX_NEW_TOKENS = {"plan": 48, "action": 32, "reflect": 8}
+MAX_NEW_TOKENS = {"plan": 40, "action": 24, "reflect": 6}
 
 
 @torch.inference_mode()
-def greedy_continue(model, tokenizer, prefix_ids: list[int], max_new_tokens: int, stop: list[str]) -> str:
-    """Greedy decode after ``prefix_ids`` until a stop string is complete, EOS, or the limit.
+def greedy_continue(model, tokenizer, new_ids: list[int], max_new_tokens: int, stop: list[str], cache=None):
+    """Feed ``new_ids`` on top of ``cache`` (None: empty), then decode greedily.
 
-    Returns the decoded new text (stop string included, as the engine's ``turn.text``).
+    Stops when the text contains a stop string (kept, as the engine's ``turn.text``), at EOS
+    (dropped), or after ``max_new_tokens``. Returns ``(text, cache)``; the cache then also holds
+    the generated tokens but the last.
     """
-    cache = None
-    inputs = torch.tensor([prefix_ids])
-    new_ids: list[int] = []
+    inputs = torch.tensor([new_ids])  # [1, T]
+    out_ids: list[int] = []
     for _ in range(max_new_tokens):
         out = model(input_ids=inputs, cache=cache, use_cache=True)
         cache = out.cache
-        next_id = int(out.logits[0, -1].argmax())
-        if next_id == tokenizer.eos_token_id:
+        token = int(out.logits[0, -1].argmax())
+        if token == tokenizer.eos_token_id:
             break
-        new_ids.append(next_id)
-        if any(s in tokenizer.decode(new_ids) for s in stop):
+        out_ids.append(token)
+        if any(s in tokenizer.decode(out_ids) for s in stop):
             break
-        inputs = torch.tensor([[next_id]])
-    return tokenizer.decode(new_ids)
+        inputs = torch.tensor([[token]])
+    return tokenizer.decode(out_ids), cache
+
+
+@torch.inference_mode()
+def teacher_forced_continuations(model, tokenizer, pieces: list[prompt.Piece], roles) -> dict[int, str]:
+    """Greedy continuation before every piece whose role is in ``roles``: ``{piece index: text}``.
+
+    One pass over the gold trajectory: the KV cache of the gold prefix is kept and, after each
+    continuation, cut back to the prefix, so the trajectory is prefilled once, not once per
+    position. Pieces are tokenized separately, as the loop appends them.
+    """
+    cache, length, pending = None, 0, []
+    texts: dict[int, str] = {}
+    for index, piece in enumerate(pieces):
+        if piece.role in roles:
+            texts[index], cache = greedy_continue(
+                model, tokenizer, pending, MAX_NEW_TOKENS[piece.role], prompt.STOP_STRINGS[piece.role], cache
+            )
+            length += len(pending)
+            pending = []
+            cache.crop(length - cache.get_seq_length())  # drop the generated tokens
+        pending += tokenizer(piece.text, add_special_tokens=False).input_ids
+    return texts
 
 
 def _judge(role: str, text: str, gold: prompt.Piece, previous: prompt.Piece, question: Question) -> dict:
@@ -77,21 +103,8 @@ def _judge(role: str, text: str, gold: prompt.Piece, previous: prompt.Piece, que
     return {"form": verdict is not None, "verdict_acc": verdict == prompt.parse_reflect(gold.text)}
 
 
-def _positions(tokenizer, pieces: list[prompt.Piece]):
-    """Yield ``(index, prefix_ids)`` for every agent piece of a trajectory."""
-    ids: list[int] = []
-    for index, piece in enumerate(pieces):
-        if piece.role in prompt.ROLES:
-            yield index, list(ids)
-        ids += tokenizer(piece.text, add_special_tokens=False).input_ids
-
-
-def run_formcheck(adapter_dir: str | Path, limit: int = 20, seed: int = 0) -> dict:
-    """Form rates per role, with and without the adapter, on the first ``limit`` dev questions.
-
-    Returns ``{role: {"adapter": {metric: rate}, "base": {...}, "n": positions}}``, rates in
-    [0, 1], plus ``"examples"``: a few generated texts per role and condition.
-    """
+def _load(adapter_sets: dict[str, Path]):
+    """Base model with every role adapter of every set, named ``<set>_<role>``."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -99,40 +112,57 @@ def run_formcheck(adapter_dir: str | Path, limit: int = 20, seed: int = 0) -> di
 
     base_path = embedded_checkpoint()
     tokenizer = AutoTokenizer.from_pretrained(base_path)
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    adapter_dir = Path(adapter_dir)
-    model = PeftModel.from_pretrained(base, adapter_dir / "plan", adapter_name="plan")
-    for role in ("action", "reflect"):
-        model.load_adapter(adapter_dir / role, adapter_name=role)
-    model.eval()
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    for set_name, folder in adapter_sets.items():
+        for role in prompt.ROLES:
+            name = f"{set_name}_{role}"
+            if isinstance(model, PeftModel):
+                model.load_adapter(Path(folder) / role, adapter_name=name)
+            else:
+                model = PeftModel.from_pretrained(model, Path(folder) / role, adapter_name=name)
+    return model.eval(), tokenizer
+
+
+def run_formcheck(adapter_sets: dict[str, str | Path], limit: int = 20, seed: int = 0) -> dict:
+    """Form rates per role, with and without the adapter, on the first ``limit`` dev questions.
+
+    ``adapter_sets`` maps a set name to its folder (``<folder>/<role>/`` PEFT adapters). Returns
+    ``{set: {role: {"adapter": {metric: rate}, "base": {...}, "n": positions}, "examples": ...,
+    "questions": n}}``, rates in [0, 1]; the base rows are shared by all sets.
+    """
+    model, tokenizer = _load({name: Path(folder) for name, folder in adapter_sets.items()})
+    conditions = ["base", *adapter_sets]
     rng = random.Random(seed)
     questions = load_questions("dev")[:limit]
-    records: dict[str, dict[str, list[dict]]] = {r: {"adapter": [], "base": []} for r in prompt.ROLES}
-    examples: dict[str, dict[str, list[str]]] = {r: {"adapter": [], "base": []} for r in prompt.ROLES}
-    for qi, question in enumerate(tqdm(questions, desc=f"formcheck {adapter_dir.name}")):
+    records = {c: {r: [] for r in prompt.ROLES} for c in conditions}
+    examples = {c: {r: [] for r in prompt.ROLES} for c in conditions}
+    for qi, question in enumerate(tqdm(questions, desc="formcheck", unit="q")):
         pieces = gold_trajectory(question, rng, negative=qi % 2 == 1)
-        for index, prefix in _positions(tokenizer, pieces):
-            role = pieces[index].role
-            for condition in ("adapter", "base"):
-                text = _generate(model, tokenizer, prefix, role, use_adapter=condition == "adapter")
-                records[role][condition].append(
+        with model.disable_adapter():
+            texts = {"base": teacher_forced_continuations(model, tokenizer, pieces, prompt.ROLES)}
+        for name in adapter_sets:
+            texts[name] = {}
+            for role in prompt.ROLES:
+                model.set_adapter(f"{name}_{role}")
+                texts[name].update(teacher_forced_continuations(model, tokenizer, pieces, (role,)))
+        for condition in conditions:
+            for index, text in sorted(texts[condition].items()):
+                role = pieces[index].role
+                records[condition][role].append(
                     _judge(role, text, pieces[index], pieces[index - 1], question)
                 )
-                if len(examples[role][condition]) < 3:
-                    examples[role][condition].append(text)
-    report = {role: _rates(records[role]) for role in prompt.ROLES}
-    report["examples"] = examples
-    report["questions"] = len(questions)
-    return report
-
-
-def _generate(model, tokenizer, prefix: list[int], role: str, use_adapter: bool) -> str:
-    stop = prompt.STOP_STRINGS[role]
-    if use_adapter:
-        model.set_adapter(role)
-        return greedy_continue(model, tokenizer, prefix, MAX_NEW_TOKENS[role], stop)
-    with model.disable_adapter():
-        return greedy_continue(model, tokenizer, prefix, MAX_NEW_TOKENS[role], stop)
+                if len(examples[condition][role]) < 3:
+                    examples[condition][role].append(text)
+    return {
+        name: {
+            **{r: _rates({"base": records["base"][r], "adapter": records[name][r]}) for r in prompt.ROLES},
+            "examples": {
+                r: {"base": examples["base"][r], "adapter": examples[name][r]} for r in prompt.ROLES
+            },
+            "questions": len(questions),
+        }
+        for name in adapter_sets
+    }
 
 
 def _rates(by_condition: dict[str, list[dict]]) -> dict:
@@ -166,3 +196,29 @@ def format_markdown(name: str, report: dict) -> str:
             shown = " / ".join(repr(t) for t in report["examples"][role][condition])
             lines.append(f"- {role}, {condition}: {shown}")
     return "\n".join(lines) + "\n"
+
+
+_DOCUMENT_HEADER = """# Form check of the SmolLM2-135M adapters
+
+Generated by `precache adapters check --set qv all --limit 20` (`precache.agents.formcheck`).
+Each dev question's gold trajectory is cut before every agent piece; the base model (adapters
+off) and the role's adapter (over the whole prefix) continue it greedily. Metrics:
+
+- plan `form`: output contains `Action: <Retrieve|Lookup|Finish>[`; `type_match`: that type
+  is the gold step's.
+- action `retrieve_title`: after `Retrieve[`, a closed argument equal to one of the question's
+  paragraph titles (normalised); `finish_closed`: after `Finish[`, a closed non-empty argument;
+  `finish_answer_em`: that argument matches the gold answer (EM); `form` pools both positions.
+- reflect `form`: exactly `Reflect[right]` or `Reflect[wrong]`; `verdict_acc`: equals the gold
+  verdict. Half the trajectories are negative (wrong answer first), so 20 of the 30 reflect
+  positions are `right`: always answering `right` scores 0.67.
+"""
+
+
+def formcheck_markdown(root: str | Path) -> str:
+    """The FORMCHECK.md document from every ``<root>/<set>/FORMCHECK.json``."""
+    sections = [
+        format_markdown(path.parent.name, json.loads(path.read_text(encoding="utf-8")))
+        for path in sorted(Path(root).glob("*/FORMCHECK.json"))
+    ]
+    return _DOCUMENT_HEADER + "\n" + "\n".join(sections)
