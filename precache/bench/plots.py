@@ -11,7 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def _save(fig, path: str | os.PathLike) -> Path:
+def save_figure(fig, path: str | os.PathLike) -> Path:
+    """Write ``fig`` as a PNG at ``path`` (folders created), close it, return the path."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -34,7 +35,7 @@ def plot_trace(result: dict, path: str | os.PathLike) -> Path:
     for ax in (ax_ttft, ax_kv):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_fidelity(result: dict, folder: str | os.PathLike) -> list[Path]:
@@ -53,7 +54,7 @@ def plot_fidelity(result: dict, folder: str | os.PathLike) -> list[Path]:
         ax.set_yscale("symlog", linthresh=1e-6)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    paths = [_save(fig, folder / "layer_error.png")]
+    paths = [save_figure(fig, folder / "layer_error.png")]
     fig, ax = plt.subplots(figsize=(10, 4.5))
     for name, records in result["per_turn"].items():
         ax.plot([r["first_kl"] for r in records], marker=".", linewidth=0.8, label=name)
@@ -61,5 +62,5 @@ def plot_fidelity(result: dict, folder: str | os.PathLike) -> list[Path]:
     ax.set_yscale("symlog", linthresh=1e-6)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    paths.append(_save(fig, folder / "kl_per_turn.png"))
+    paths.append(save_figure(fig, folder / "kl_per_turn.png"))
     return paths

@@ -109,10 +109,7 @@ def _warm_up(base_url: str, agent: str) -> None:
 
 def plot_ttft_vs_qps(result: dict, path: str | os.PathLike) -> Path:
     """PNG: p50 (solid) and p90 (dashed) TTFT in seconds against the request rate, per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from precache.bench.plots import plt, save_figure
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for method, per_qps in result["methods"].items():
@@ -123,12 +120,7 @@ def plot_ttft_vs_qps(result: dict, path: str | os.PathLike) -> Path:
     ax.set(xlabel="request rate (requests/s)", ylabel="TTFT (s)", title=f"TTFT vs load, {result['trace']}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)
 
 
 def _table(result: dict):
