@@ -58,3 +58,16 @@ def test_attend_matches_materialised_reference(T, layout):
     got = attend(q, q_start, segments)
     assert got.shape == (T, Hq * D)
     assert torch.allclose(got, _reference(q, q_start, segments), atol=1e-5)
+
+
+@pytest.mark.parametrize("with_lr", [False, True])
+def test_first_prefill_uses_the_same_causal_maths(with_lr):
+    """A row that is the whole sequence takes SDPA's is_causal path: same values as the reference."""
+    g = torch.Generator().manual_seed(5)
+    T, Hq, Hkv, D, r = 12, 6, 2, 8, 3
+    k, v = torch.randn(T, Hkv, D, generator=g), torch.randn(T, Hkv, D, generator=g)
+    seg = Segment(k, v, 0)
+    if with_lr:
+        seg = Segment(k, v, 0, torch.randn(T, r, generator=g), torch.randn(r, Hkv * D, generator=g), 0.5)
+    q = torch.randn(T, Hq, D, generator=g)
+    assert torch.allclose(attend(q, 0, [seg]), _reference(q, 0, [seg]), atol=1e-5)

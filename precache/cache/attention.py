@@ -62,12 +62,16 @@ def _sdpa(q: torch.Tensor, q_start: int, segments: list[Segment]) -> torch.Tenso
         v = torch.cat([v, torch.cat(cols, dim=1)[:, None, :].expand(n, Hkv, R)], dim=-1)
         q, k = F.pad(q, (0, R)), F.pad(k, (0, R))
     key_end = segments[-1].start + segments[-1].k.shape[0]
-    mask = None if T == 1 and key_end <= q_start + 1 else _causal_mask(q_start, T, segments, q.device)
+    # a row that is the whole sequence (a first prefill) is plain causal: the kernel skips the
+    # upper triangle, about 1.5x faster than an explicit mask
+    square = T > 1 and q_start == 0 and segments[0].start == 0 and n == T
+    needs_mask = not square and not (T == 1 and key_end <= q_start + 1)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
         v.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
+        attn_mask=_causal_mask(q_start, T, segments, q.device) if needs_mask else None,
+        is_causal=square,
         enable_gqa=True,
         scale=1.0 / math.sqrt(D),
     )[0]  # [Hq, T, D + R]
