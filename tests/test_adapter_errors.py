@@ -126,3 +126,16 @@ def test_unknown_method(setup):
 def test_engine_reports_bad_adapter_folder(setup, tmp_path):
     with pytest.raises(AdapterError, match="missing"):
         precache.Engine(setup[0], adapters={"plan": tmp_path}, method="nonshared")
+
+
+def test_split_methods_refuse_a_k_lora_under_qwen3_k_norm(tmp_path):
+    ours, hf = tiny_model("qwen3")
+    folder = save_random_adapter(hf, tmp_path / "k", targets=("k_proj", "v_proj"), r=4)
+    for method in ("baseshared", "prelrshared", "rebaseshared-db"):
+        with pytest.raises(AdapterError, match="adapter 'plan' has a k_proj LoRA.*k-norm of qwen3"):
+            precache.Engine(ours, adapters={"plan": folder}, method=method)
+    engine = precache.Engine(ours, adapters={"plan": folder}, method="nonshared")  # full caches: fine
+    engine.eos_token_ids = frozenset()
+    s = engine.session()
+    s.append([1, 2, 3])
+    assert len(s.generate(agent="plan", max_new_tokens=2).token_ids) == 2

@@ -148,3 +148,16 @@ class SharingMethod(ABC):
                 raise CacheIntegrityError(
                     f"{self.name}: LR cache of '{a}' has {store.length} tokens, base has {n}"
                 )
+
+
+class SplitKVMethod(SharingMethod):
+    """A method whose state is one base cache plus one LR cache per agent (BaseShared,
+    PreLRShared, ReBaseShared): the K/V split into base + LR of DESIGN.md, Notation."""
+
+    splits_kv = True
+
+    def new_state(self) -> CacheState:
+        return CacheState(base=self.new_kv_store(), lr=self.new_lr_stores())
+
+    def cached_length(self, state: CacheState) -> int:
+        return state.base.length

@@ -7,18 +7,11 @@ from __future__ import annotations
 
 from precache.cache.plan import BaseWrite, LRWrite, RowPlan, View
 from precache.errors import CacheIntegrityError
-from precache.methods.base import CacheState, SharingMethod
+from precache.methods.base import CacheState, SplitKVMethod
 
 
-class BaseShared(SharingMethod):
+class BaseShared(SplitKVMethod):
     name = "baseshared"
-    splits_kv = True
-
-    def new_state(self) -> CacheState:
-        return CacheState(base=self.new_kv_store(), lr=self.new_lr_stores())
-
-    def cached_length(self, state: CacheState) -> int:
-        return state.base.length
 
     def prefill_start(self, state: CacheState, agent: str | None) -> int:
         return state.base.length if agent is None else state.lr[agent].length

@@ -6,18 +6,11 @@ Every later turn prefills only new tokens; memory is one base plus N rank-r LR c
 from __future__ import annotations
 
 from precache.cache.plan import BaseWrite, RowPlan, View
-from precache.methods.base import CacheState, SharingMethod
+from precache.methods.base import SplitKVMethod
 
 
-class PreLRShared(SharingMethod):
+class PreLRShared(SplitKVMethod):
     name = "prelrshared"
-    splits_kv = True
-
-    def new_state(self) -> CacheState:
-        return CacheState(base=self.new_kv_store(), lr=self.new_lr_stores())
-
-    def cached_length(self, state: CacheState) -> int:
-        return state.base.length
 
     def plans(self, state, agent, token_ids, pos0):
         end = pos0 + len(token_ids)

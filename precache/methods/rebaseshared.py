@@ -11,23 +11,18 @@ lazy prefill, outside the next agent's TTFT) or as a second row of every forward
 from __future__ import annotations
 
 from precache.cache.plan import BaseWrite, FullWrite, LRWrite, RowPlan, View
-from precache.methods.base import CacheState, SharingMethod
+from precache.methods.base import CacheState, SplitKVMethod
 
 SCHEDULES = ("lp", "db")
 
 
-class ReBaseShared(SharingMethod):
-    splits_kv = True
-
+class ReBaseShared(SplitKVMethod):
     def __init__(self, model, adapters, schedule: str = "lp"):
         if schedule not in SCHEDULES:
             raise ValueError(f"ReBaseShared schedule must be one of {SCHEDULES}, got {schedule!r}")
         self.schedule = schedule
         self.name = f"rebaseshared-{schedule}"
         super().__init__(model, adapters)
-
-    def new_state(self) -> CacheState:
-        return CacheState(base=self.new_kv_store(), lr=self.new_lr_stores())
 
     def cached_length(self, state: CacheState) -> int:
         return state.base.length if state.turn is None else state.turn_start
