@@ -40,3 +40,11 @@ class EmptyRequestError(PrecacheError, ValueError):
 
 class CacheIntegrityError(PrecacheError, AssertionError):
     """A cache invariant (equal lengths, segment coverage) does not hold: a bug, not bad input."""
+
+
+class CacheCapacityError(PrecacheError, ValueError):
+    """A request needs more KV-cache blocks than the pool can ever hold (raise ``kv_cache_bytes``)."""
+
+
+class OutOfBlocksError(PrecacheError, RuntimeError):
+    """The block pool has no free or evictable block right now (transient: retry when others finish)."""
