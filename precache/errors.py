@@ -26,6 +26,10 @@ class UnknownAdapterError(PrecacheError, KeyError):
         return str(self.args[0])
 
 
+class TraceError(PrecacheError, ValueError):
+    """A trace file is missing or malformed, or does not fit the engine it is replayed on."""
+
+
 class UnknownMethodError(PrecacheError, ValueError):
     """A sharing method name does not exist."""
 
@@ -48,3 +52,15 @@ class CacheCapacityError(PrecacheError, ValueError):
 
 class OutOfBlocksError(PrecacheError, RuntimeError):
     """The block pool has no free or evictable block right now (transient: retry when others finish)."""
+
+
+class RequestCancelledError(PrecacheError):
+    """A request was cancelled before it finished; ``turn`` holds the tokens it produced (or None)."""
+
+    def __init__(self, message: str, turn=None):
+        super().__init__(message)
+        self.turn = turn
+
+
+class SessionBusyError(PrecacheError, RuntimeError):
+    """A session was changed (append, sync, fork) while a turn runs on it."""

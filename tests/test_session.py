@@ -138,18 +138,25 @@ def test_cache_bytes_break_down_by_cache(tiny):
     model, dirs, _ = tiny
     c = model.config
     per_token_kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4  # K and V, fp32
-    s, _ = run_script(make_engine(model, dirs, "prelrshared"))
+    engine = make_engine(model, dirs, "prelrshared")
+    bs = engine.pool.block_size
+
+    def allocated(n: int) -> int:  # positions of the blocks that hold n tokens
+        return -(-n // bs) * bs
+
+    s, _ = run_script(engine)
     n = s.state.base.length
     b = s.cache_bytes()
-    assert b["base"] == n * per_token_kv
+    assert b["base"] == allocated(n) * per_token_kv
     ranks = {"plan": 4, "action": 8, "reflect": 2}  # k and v both adapted
-    assert b["lr"] == {a: n * c.num_layers * 2 * r * 4 for a, r in ranks.items()}
+    assert b["lr"] == {a: allocated(n) * c.num_layers * 2 * r * 4 for a, r in ranks.items()}
     assert b["total"] == b["base"] + sum(b["lr"].values()) and b["peak"] >= b["total"]
+    assert engine.cache_usage()["allocated"] == b["total"]  # the only trajectory: every held block is its
     s_ns, _ = run_script(make_engine(model, dirs, "nonshared"))
     full = s_ns.cache_bytes()["full"]
-    assert full["plan"] == s_ns.state.full["plan"].length * per_token_kv
+    assert full["plan"] == allocated(s_ns.state.full["plan"].length) * per_token_kv
     # each agent keeps what it has read: plan 36, action 38 and reflect 30 tokens
-    assert s_ns.cache_bytes()["total"] == (36 + 38 + 30) * per_token_kv
+    assert s_ns.cache_bytes()["total"] == (allocated(36) + allocated(38) + allocated(30)) * per_token_kv
 
 
 @pytest.mark.parametrize("method", ["nonshared", "prelrshared", "rebaseshared-lp", "rebaseshared-db"])

@@ -6,6 +6,7 @@ import logging
 import os
 from pathlib import Path
 
+from precache.cache.pool import DEFAULT_BLOCK_SIZE
 from precache.engine.session import Session
 from precache.errors import AdapterError
 from precache.lora.adapter import LoRAAdapter, load_adapter
@@ -20,9 +21,13 @@ class Engine:
     ``Engine(model, adapters={"plan": DIR, ...}, method="prelrshared")``: ``model`` from
     :func:`precache.load_model` (None: the embedded default), adapters as PEFT folders (or loaded
     :class:`LoRAAdapter` s) by agent name, ``method`` one of :data:`precache.methods.METHODS`.
+    Every trajectory's caches live in one block pool (``self.pool``) of ``kv_cache_bytes`` bytes
+    (default: room for ``n_agents + 2`` caches at the context length), in blocks of
+    ``block_size`` tokens, shared by forks and by trajectories with a common token prefix.
 
     Raises:
         UnknownMethodError: ``method`` does not exist.
+        CacheCapacityError: ``kv_cache_bytes`` holds no block.
         AdapterError: an adapter folder is missing, malformed, or does not fit the model.
     """
 
@@ -31,6 +36,8 @@ class Engine:
         model=None,
         adapters: dict[str, str | os.PathLike | LoRAAdapter] | None = None,
         method: str = "prelrshared",
+        kv_cache_bytes: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ):
         from precache.methods import METHODS
         from precache.models import load_model
@@ -47,7 +54,10 @@ class Engine:
                 src if isinstance(src, LoRAAdapter) else load_adapter(Path(src), self.model.config, name)
             )
             self.adapters[name] = adapter.to(self.model.dtype, self.model.device)
-        self.method = make_method(method, self.model, self.adapters)
+        self.method = make_method(
+            method, self.model, self.adapters, kv_cache_bytes=kv_cache_bytes, block_size=block_size
+        )
+        self.pool = self.method.pool
         self.eos_token_ids = self._eos_ids()
 
     def _eos_ids(self) -> frozenset[int]:
@@ -61,6 +71,13 @@ class Engine:
             elif isinstance(src, list | tuple):
                 ids.update(int(i) for i in src)
         return frozenset(ids)
+
+    def cache_usage(self) -> dict[str, int]:
+        """KV-cache memory in bytes: ``total`` (the pool), ``allocated`` (blocks held by some
+        trajectory), ``used`` (their positions that hold a committed token), ``shared`` (blocks held
+        by several trajectories or forks, once), ``cached`` (unheld blocks kept for prefix reuse),
+        ``free``. ``allocated + cached + free == total``."""
+        return self.pool.usage()
 
     @property
     def method_name(self) -> str:

@@ -13,8 +13,9 @@ from precache.methods.rebaseshared import ReBaseShared
 METHODS = ("nonshared", "fullshared", "baseshared", "prelrshared", "rebaseshared-lp", "rebaseshared-db")
 
 
-def make_method(name: str, model, adapters) -> SharingMethod:
-    """Build the sharing method called ``name`` (one of :data:`METHODS`).
+def make_method(name: str, model, adapters, **pool_options) -> SharingMethod:
+    """Build the sharing method called ``name`` (one of :data:`METHODS`) with its block pool
+    (``pool_options``: ``kv_cache_bytes``, ``block_size``; see :class:`SharingMethod`).
 
     Raises:
         UnknownMethodError: ``name`` is not a method.
@@ -29,11 +30,11 @@ def make_method(name: str, model, adapters) -> SharingMethod:
         "prelrshared": PreLRShared,
     }
     if key in simple:
-        return simple[key](model, adapters)
+        return simple[key](model, adapters, **pool_options)
     if key.startswith("rebaseshared-"):
         schedule = key.split("-", 1)[1]
         if schedule in ("lp", "db"):
-            return ReBaseShared(model, adapters, schedule=schedule)
+            return ReBaseShared(model, adapters, schedule=schedule, **pool_options)
     raise UnknownMethodError(f"unknown sharing method '{name}' (methods: {', '.join(METHODS)})")
 
 

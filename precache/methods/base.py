@@ -14,8 +14,9 @@ from typing import ClassVar
 
 import torch
 
-from precache.cache.plan import LRWrite, RowPlan, View, view_segment
-from precache.cache.store import KVStore, LRStore
+from precache.cache.plan import LRWrite, RowPlan, View, materialise_view
+from precache.cache.pool import DEFAULT_BLOCK_SIZE, KVPool, LRView, PagedStore
+from precache.cache.prefix import PrefixChain, attach, publish
 from precache.errors import AdapterError, CacheIntegrityError
 from precache.lora.adapter import LoRAAdapter
 
@@ -27,35 +28,48 @@ class CacheState:
     ``base``: the shared base cache (None for NonShared); ``lr[a]``: agent a's LR cache;
     ``full[a]``: a full KV cache (NonShared: one per agent; FullShared: one under ``"shared"``);
     ``turn``: the current agent's exact adapted K/V over its own turn (ReBaseShared only);
-    ``turn_start``/``turn_agent``: where and whose the open turn is (None between turns).
+    ``turn_start``: where the open turn started (None between turns); ``prefix``: the prefix
+    hashes of the shared store's full blocks (cross-trajectory reuse).
     """
 
-    base: KVStore | None = None
-    lr: dict[str, LRStore] = field(default_factory=dict)
-    full: dict[str, KVStore] = field(default_factory=dict)
-    turn: KVStore | None = None
+    base: PagedStore | None = None
+    lr: dict[str, LRView] = field(default_factory=dict)
+    full: dict[str, PagedStore] = field(default_factory=dict)
+    turn: PagedStore | None = None
     turn_start: int | None = None
-    turn_agent: str | None = None
+    prefix: dict[str, PrefixChain] = field(default_factory=dict)
 
-    def stores(self) -> list[KVStore | LRStore]:
+    def stores(self) -> list[PagedStore | LRView]:
         out = [self.base, self.turn, *self.lr.values(), *self.full.values()]
         return [s for s in out if s is not None]
 
 
 class SharingMethod(ABC):
-    """Base class: holds the model and the loaded adapters by agent name.
+    """Base class: holds the model, the loaded adapters by agent name, and the block pool every
+    trajectory's caches live in (``self.pool``, a :class:`~precache.cache.pool.KVPool`).
 
-    ``agent=None`` everywhere means the base model with no adapter.
+    ``kv_cache_bytes`` bounds the pool (bytes; default: room for ``n_agents + 2`` full-context
+    caches, so one trajectory at the context length fits under every method); ``block_size`` is
+    in tokens. ``agent=None`` everywhere means the base model with no adapter.
+
+    Raises:
+        AdapterError: a split method with a k_proj LoRA on a model with a per-head k-norm (Qwen3).
+        CacheCapacityError: ``kv_cache_bytes`` holds no block.
     """
 
     name: ClassVar[str]
     #: methods that split K/V into base + LR cannot do so under Qwen3's per-head k-norm
     splits_kv: ClassVar[bool] = False
 
-    def __init__(self, model, adapters: dict[str, LoRAAdapter]):
+    def __init__(
+        self,
+        model,
+        adapters: dict[str, LoRAAdapter],
+        kv_cache_bytes: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ):
         self.model, self.adapters = model, adapters
         c = model.config
-        self._kv_shape = (c.num_layers, c.num_kv_heads, c.head_dim)
         if self.splits_kv and c.qk_norm:
             for name, adapter in adapters.items():
                 if "k_proj" in adapter.targets:
@@ -63,18 +77,35 @@ class SharingMethod(ABC):
                         f"adapter '{name}' has a k_proj LoRA; under {self.name} the key is split into base + LR, "
                         f"which the per-head k-norm of {c.model_type} does not allow (use v/q/o/MLP targets)"
                     )
+        lr_ranks = {}
+        if self.splits_kv:
+            lr_ranks = {
+                a: (ad.rank if "k_proj" in ad.targets else 0, ad.rank if "v_proj" in ad.targets else 0)
+                for a, ad in adapters.items()
+            }
+        if kv_cache_bytes is None:  # a full-context trajectory fits under every method
+            itemsize = torch.finfo(model.dtype).bits // 8
+            token_bytes = c.num_layers * (2 * c.num_kv_heads * c.head_dim + sum(map(sum, lr_ranks.values())))
+            blocks = (len(adapters) + 2) * -(-model.max_context // block_size)
+            kv_cache_bytes = blocks * block_size * token_bytes * itemsize
+        self.pool = KVPool(
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            lr_ranks,
+            kv_cache_bytes,
+            block_size,
+            model.dtype,
+            model.device,
+        )
 
     # -- state -------------------------------------------------------------------------------
-    def new_kv_store(self, offset: int = 0) -> KVStore:
-        return KVStore(*self._kv_shape, dtype=self.model.dtype, device=self.model.device, offset=offset)
+    def new_kv_store(self, offset: int = 0) -> PagedStore:
+        return PagedStore(self.pool, offset)
 
-    def new_lr_stores(self) -> dict[str, LRStore]:
-        out = {}
-        for name, a in self.adapters.items():
-            rk = a.rank if "k_proj" in a.targets else 0
-            rv = a.rank if "v_proj" in a.targets else 0
-            out[name] = LRStore(self.model.config.num_layers, rk, rv, self.model.dtype, self.model.device)
-        return out
+    def new_lr_stores(self, base: PagedStore) -> dict[str, LRView]:
+        """Every agent's LR cache, in the LR columns of ``base``'s blocks."""
+        return {a: LRView(base, a) for a in self.adapters}
 
     @abstractmethod
     def new_state(self) -> CacheState: ...
@@ -95,15 +126,18 @@ class SharingMethod(ABC):
         return self.cached_length(state)
 
     def begin_turn(self, state: CacheState, agent: str | None) -> None:
-        state.turn_start, state.turn_agent = self.cached_length(state), agent
+        state.turn_start = self.cached_length(state)
 
     @abstractmethod
     def plans(self, state: CacheState, agent: str | None, token_ids: list[int], pos0: int) -> list[RowPlan]:
         """Row plans for the agent to process ``token_ids`` at positions ``[pos0, pos0 + len)`` in its turn."""
 
     def end_turn(self, state: CacheState, agent: str | None, trajectory: list[int]) -> list[RowPlan]:
-        """Close the turn; return plans of work that runs after it (ReBaseShared LP's neutral pass)."""
-        state.turn_start = state.turn_agent = None
+        """Close the turn; return plans of work that runs after it (ReBaseShared LP's neutral pass).
+
+        The full blocks of the shared caches are registered for reuse by other trajectories."""
+        state.turn_start = None
+        self.publish_prefix(state, trajectory)
         return []
 
     def view_kv(
@@ -113,9 +147,7 @@ class SharingMethod(ABC):
         positions ``[0, end)`` at ``layer``, materialised (copies): ``Kb + RoPE(s Lk B^k)``,
         ``Vb + s Lv B^v`` (DESIGN.md, Notation). For diagnostics, never on the hot path."""
         lr = state.lr.get(agent) if agent is not None else None
-        seg = view_segment(self.model, layer, View(state.base, 0, end, lr, self.adapter(agent)))
-        v = seg.v if seg.lv is None else seg.v + (seg.scaling * (seg.lv @ seg.bv)).view(seg.v.shape)
-        return seg.k.clone(), v.clone()
+        return materialise_view(self.model, layer, View(state.base, 0, end, lr, self.adapter(agent)))
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def truncate(self, state: CacheState, length: int) -> None:
@@ -124,11 +156,58 @@ class SharingMethod(ABC):
             raise CacheIntegrityError("cannot truncate caches during an open turn")
         for store in state.stores():
             store.truncate(length)
+        for chain in state.prefix.values():
+            chain.truncate(length, self.pool.block_size)
+
+    def fork_state(self, state: CacheState, length: int) -> CacheState:
+        """A copy of ``state`` over its first ``length`` tokens that shares every block (O(1) cache
+        memory; the first write to a shared block copies it). Only between turns.
+
+        Raises:
+            CacheIntegrityError: a turn is open on ``state``.
+        """
+        if state.turn_start is not None:
+            raise CacheIntegrityError("cannot fork caches during an open turn")
+        base = state.base.fork(length) if state.base is not None else None
+        lr = {a: LRView(base, a, min(v.length, length)) for a, v in state.lr.items()}
+        full = {a: s.fork(length) for a, s in state.full.items()}
+        bs = self.pool.block_size
+        prefix = {k: c.fork(min(length, self._store(state, k).length), bs) for k, c in state.prefix.items()}
+        return CacheState(base=base, lr=lr, full=full, prefix=prefix)
+
+    # -- cross-trajectory prefix reuse ---------------------------------------------------------
+    def prefix_stores(self, state: CacheState) -> dict[str, PagedStore]:
+        """The caches other trajectories may reuse by token prefix, by key (default: none)."""
+        return {}
+
+    def reuse_key(self, agent: str | None) -> str | None:
+        """Which of :meth:`prefix_stores` ``agent``'s turn may take published blocks into (None: none)."""
+        return None
+
+    def _store(self, state: CacheState, key: str) -> PagedStore:
+        return self.prefix_stores(state)[key]
+
+    def publish_prefix(self, state: CacheState, trajectory: list[int]) -> None:
+        """Register the full committed blocks of :meth:`prefix_stores` for reuse by other trajectories."""
+        for key, store in self.prefix_stores(state).items():
+            publish(store, state.prefix.setdefault(key, PrefixChain(key)), trajectory)
+
+    def reuse_prefix(self, state: CacheState, agent: str | None, token_ids: list[int]) -> int:
+        """Before a turn: extend the agent's cache with published blocks of other trajectories that
+        hold the same token prefix (never the last token). Returns the tokens now cached for it."""
+        key = self.reuse_key(agent)
+        if key is not None and state.turn_start is None:
+            store = self._store(state, key)
+            attach(store, state.prefix.setdefault(key, PrefixChain(key)), token_ids)
+        return self.prefill_start(state, agent)
 
     def cache_bytes(self, state: CacheState) -> dict:
-        """Bytes held: ``{"base", "lr": {agent: bytes}, "full": {agent: bytes}, "turn", "total"}``."""
+        """Bytes of the pool blocks this trajectory holds (allocated, not only committed; a block
+        shared with a fork or another trajectory counts in each):
+        ``{"base", "lr": {agent: bytes}, "full": {agent: bytes}, "turn", "total"}``. The LR caches
+        live in the LR columns of the base blocks, so ``base + sum(lr)`` is the base blocks' size."""
         out = {
-            "base": state.base.nbytes() if state.base is not None else 0,
+            "base": state.base.nbytes() - sum(v.nbytes() for v in state.lr.values()) if state.base else 0,
             "lr": {a: s.nbytes() for a, s in state.lr.items()},
             "full": {a: s.nbytes() for a, s in state.full.items()},
             "turn": state.turn.nbytes() if state.turn is not None else 0,
@@ -157,7 +236,22 @@ class SplitKVMethod(SharingMethod):
     splits_kv = True
 
     def new_state(self) -> CacheState:
-        return CacheState(base=self.new_kv_store(), lr=self.new_lr_stores())
+        base = self.new_kv_store()
+        return CacheState(base=base, lr=self.new_lr_stores(base))
 
     def cached_length(self, state: CacheState) -> int:
         return state.base.length
+
+    def prefix_stores(self, state: CacheState) -> dict[str, PagedStore]:
+        return {"base": state.base}
+
+    def reuse_key(self, agent: str | None) -> str | None:
+        return "base"
+
+    def reuse_prefix(self, state: CacheState, agent: str | None, token_ids: list[int]) -> int:
+        before = state.base.length
+        super().reuse_prefix(state, agent, token_ids)
+        if state.base.length > before:  # a published block holds every agent's LR rows
+            for view in state.lr.values():
+                view.commit(state.base.length)
+        return self.prefill_start(state, agent)

@@ -11,7 +11,16 @@ from precache.methods.base import CacheState, SplitKVMethod
 
 
 class BaseShared(SplitKVMethod):
+    """An agent's LR rows exist only where that agent has read, so no block is complete for every
+    agent: BaseShared shares blocks with forks, never with other trajectories by prefix."""
+
     name = "baseshared"
+
+    def prefix_stores(self, state: CacheState):
+        return {}
+
+    def reuse_key(self, agent: str | None) -> str | None:
+        return None
 
     def prefill_start(self, state: CacheState, agent: str | None) -> int:
         return state.base.length if agent is None else state.lr[agent].length

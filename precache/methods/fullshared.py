@@ -20,6 +20,12 @@ class FullShared(SharingMethod):
         k, v = state.full["shared"].kv(layer, 0, end)
         return k.clone(), v.clone()
 
+    def prefix_stores(self, state: CacheState):
+        return {"shared": state.full["shared"]}
+
+    def reuse_key(self, agent: str | None) -> str | None:
+        return "shared"
+
     def cached_length(self, state: CacheState) -> int:
         return state.full["shared"].length
 

@@ -25,6 +25,12 @@ class NonShared(SharingMethod):
         k, v = self._own(state, agent).kv(layer, 0, end)
         return k.clone(), v.clone()
 
+    def prefix_stores(self, state: CacheState):
+        return dict(state.full)  # an agent reuses only what the same agent wrote
+
+    def reuse_key(self, agent: str | None) -> str | None:
+        return _BASE_KEY if agent is None else agent
+
     def cached_length(self, state: CacheState) -> int:
         return max(s.length for s in state.full.values())
 

@@ -17,15 +17,18 @@ SCHEDULES = ("lp", "db")
 
 
 class ReBaseShared(SplitKVMethod):
-    def __init__(self, model, adapters, schedule: str = "lp"):
+    def __init__(self, model, adapters, schedule: str = "lp", **pool_options):
         if schedule not in SCHEDULES:
             raise ValueError(f"ReBaseShared schedule must be one of {SCHEDULES}, got {schedule!r}")
         self.schedule = schedule
         self.name = f"rebaseshared-{schedule}"
-        super().__init__(model, adapters)
+        super().__init__(model, adapters, **pool_options)
 
     def cached_length(self, state: CacheState) -> int:
         return state.base.length if state.turn is None else state.turn_start
+
+    def prefix_stores(self, state: CacheState):
+        return {} if state.turn is not None else super().prefix_stores(state)
 
     def begin_turn(self, state: CacheState, agent: str | None) -> None:
         super().begin_turn(state, agent)
@@ -52,6 +55,7 @@ class ReBaseShared(SplitKVMethod):
 
     def end_turn(self, state: CacheState, agent: str | None, trajectory: list[int]) -> list[RowPlan]:
         t0, end = state.turn_start, state.turn.length
+        state.turn.release()
         state.turn = None
         super().end_turn(state, agent, trajectory)
         if self.schedule == "lp" and end > t0:

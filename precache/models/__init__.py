@@ -7,8 +7,9 @@ import os
 import torch
 
 from precache.errors import ModelLoadError
-from precache.models.config import ModelConfig
-from precache.models.llama import DenseAttention, LayerInput, LlamaModel, Row, dense_logits
+from precache.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from precache.models.contract import AttentionBackend, LayerInput, Row
+from precache.models.llama import DenseAttention, LlamaModel, dense_logits
 from precache.models.loader import embedded_checkpoint, resolve_checkpoint
 
 
@@ -59,10 +60,16 @@ def model_from_hf(
     """
     config = ModelConfig.from_hf(hf_model.config)
     state = {k: v.detach().to(device) if device else v.detach() for k, v in hf_model.state_dict().items()}
-    return LlamaModel(config, hf_model.config, state, tokenizer, path, max_context)
+    return MODEL_REGISTRY[config.model_type](config, hf_model.config, state, tokenizer, path, max_context)
+
+
+#: our forward by HF ``model_type``; a new family is one module registered here
+MODEL_REGISTRY: dict[str, type[LlamaModel]] = {name: LlamaModel for name in SUPPORTED_MODEL_TYPES}
 
 
 __all__ = [
+    "MODEL_REGISTRY",
+    "AttentionBackend",
     "DenseAttention",
     "LayerInput",
     "LlamaModel",

@@ -8,31 +8,13 @@ which cache entries to write from which hidden states and which view each row at
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
-
 import torch
 import torch.nn.functional as F
 
 from precache.errors import ContextLengthError
 from precache.models.config import ModelConfig
+from precache.models.contract import AttentionBackend, LayerInput, Row
 from precache.models.rope import RotaryEmbedding
-
-if TYPE_CHECKING:
-    from precache.lora.adapter import LoRAAdapter
-
-
-@dataclass(frozen=True)
-class Row:
-    """One sequence of the flattened batch: tokens ``[start, end)``, run with ``adapter`` (None: base)."""
-
-    start: int
-    end: int
-    adapter: LoRAAdapter | None = None
-
-    @property
-    def slice(self) -> slice:
-        return slice(self.start, self.end)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,53 +30,6 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, rows: list[Row], layer: int, proj
         if row.adapter is not None and row.adapter.has(layer, proj):
             y[row.slice] += row.adapter.delta(x[row.slice], layer, proj)
     return y
-
-
-@dataclass
-class LayerInput:
-    """What a layer hands to the attention backend.
-
-    ``h`` ``[N, hidden]`` is the attention input (after the input RMSNorm, DESIGN.md ``h_l^m(t)``),
-    ``q`` ``[N, n_heads, head_dim]`` the per-row adapted queries after RoPE, ``cos``/``sin``
-    ``[N, head_dim]`` the RoPE tables at each token's position. ``k_lin``/``v_lin``
-    ``[N, n_kv_heads * head_dim]`` are the adapter-free projections ``h W_k (+ b)``, ``h W_v (+ b)``
-    from the fused qkv matmul.
-    """
-
-    layer: int
-    h: torch.Tensor
-    q: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    model: LlamaModel
-    k_lin: torch.Tensor
-    v_lin: torch.Tensor
-    _base: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
-
-    def base_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Adapter-free ``(K after RoPE, V)``, each ``[N, n_kv_heads, head_dim]`` (memoised)."""
-        if self._base is None:
-            self._base = self.model.finish_kv(self.layer, self.k_lin, self.v_lin, self.cos, self.sin)
-        return self._base
-
-    def adapted_kv(self, sl: slice, adapter: LoRAAdapter | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(K after RoPE, V)`` of tokens ``sl`` with ``adapter``: the full KV-cache entries."""
-        layer = self.layer
-        if adapter is None or not (adapter.has(layer, "k_proj") or adapter.has(layer, "v_proj")):
-            k, v = self.base_kv()
-            return k[sl], v[sl]
-        h, k_lin, v_lin = self.h[sl], self.k_lin[sl], self.v_lin[sl]
-        if adapter.has(layer, "k_proj"):
-            k_lin = k_lin + adapter.delta(h, layer, "k_proj")
-        if adapter.has(layer, "v_proj"):
-            v_lin = v_lin + adapter.delta(h, layer, "v_proj")
-        return self.model.finish_kv(layer, k_lin, v_lin, self.cos[sl], self.sin[sl])
-
-
-class AttentionBackend(Protocol):
-    """Writes cache entries for a layer and returns the attention output ``[N, n_heads * head_dim]``."""
-
-    def attend(self, x: LayerInput) -> torch.Tensor: ...
 
 
 def _cat_bias(*biases: torch.Tensor | None, sizes: list[int], like: torch.Tensor) -> torch.Tensor | None:
@@ -251,7 +186,7 @@ class DenseAttention:
 
 
 def dense_logits(
-    model: LlamaModel, sequences: list[list[int]], adapters: list[LoRAAdapter | None] | None = None
+    model: LlamaModel, sequences: list[list[int]], adapters: list | None = None
 ) -> list[torch.Tensor]:
     """Logits ``[len(seq), vocab]`` of every position of each sequence, all run as one mixed batch.
 

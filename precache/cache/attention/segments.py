@@ -1,10 +1,11 @@
-"""Attention of one row's queries over cache segments, with the LR value term kept low-rank.
+"""The attention maths of one row's queries over cache segments (the torch reference).
 
 A segment is a contiguous span of key positions with keys ``K`` ``[n, n_kv_heads, head_dim]``
 (already the agent's view: base keys plus, for adapters with a k_proj LoRA, the RoPE'd LoRA part),
 base values ``Vb`` and optionally an LR value term ``(Lv [n, r], B^v [r, n_kv_heads * head_dim], s)``.
-The output is ``P Vb + s (P Lv) B^v`` (DESIGN.md, Notation): full adapted values are never built,
-which is the reordering LRAgent's Flash-LoRA-Attention exploits.
+The output is ``P Vb + s (P Lv) B^v`` (DESIGN.md, Notation): decode rows never build full adapted
+values (the reordering LRAgent's Flash-LoRA-Attention exploits); prefill rows build them for one
+layer at a time, which is cheaper than widening the attention by ``r`` channels.
 """
 
 from __future__ import annotations
@@ -39,28 +40,17 @@ def _causal_mask(q_start: int, n_queries: int, segments: list[Segment], device) 
 
 
 def _sdpa(q: torch.Tensor, q_start: int, segments: list[Segment]) -> torch.Tensor:
-    """Fused SDPA over all segments, the LR value terms packed as extra value channels.
+    """One fused SDPA pass over all segments, each LR value term materialised for this layer only.
 
-    ``V' = [Vb | Lv]`` (``D + r`` channels, ``Lv`` shared by the kv heads) and ``q``, ``K`` are
-    zero-padded to ``D + r`` so that one flash-attention pass yields ``[P Vb | P Lv]``; the scale
-    stays ``1/sqrt(D)``. Full adapted values are never built.
+    ``V = Vb + s Lv B^v`` costs ``n r (n_kv_heads head_dim)`` multiply-adds, far below the
+    attention's ``T n n_heads head_dim``; the stored caches stay base + LR. (Packing ``Lv`` as extra
+    value channels instead would widen every q.k product by ``r`` channels.)
     """
     T, Hq, D = q.shape
+    values = [s.v if s.lv is None else s.v + s.scaling * (s.lv @ s.bv).view(s.v.shape) for s in segments]
     k = segments[0].k if len(segments) == 1 else torch.cat([s.k for s in segments])  # [n, Hkv, D]
-    v = segments[0].v if len(segments) == 1 else torch.cat([s.v for s in segments])
-    n, Hkv = k.shape[0], k.shape[1]
-    lr_blocks, offset, cols = [], 0, []
-    for s in segments:
-        if s.lv is not None:
-            block = torch.zeros(n, s.lv.shape[1], dtype=v.dtype, device=v.device)
-            block[offset : offset + s.k.shape[0]] = s.lv
-            cols.append(block)
-            lr_blocks.append(s)
-        offset += s.k.shape[0]
-    R = sum(c.shape[1] for c in cols)
-    if R:
-        v = torch.cat([v, torch.cat(cols, dim=1)[:, None, :].expand(n, Hkv, R)], dim=-1)
-        q, k = F.pad(q, (0, R)), F.pad(k, (0, R))
+    v = values[0] if len(values) == 1 else torch.cat(values)
+    n = k.shape[0]
     key_end = segments[-1].start + segments[-1].k.shape[0]
     # a row that is the whole sequence (a first prefill) is plain causal: the kernel skips the
     # upper triangle, about 1.5x faster than an explicit mask
@@ -74,14 +64,8 @@ def _sdpa(q: torch.Tensor, q_start: int, segments: list[Segment]) -> torch.Tenso
         is_causal=square,
         enable_gqa=True,
         scale=1.0 / math.sqrt(D),
-    )[0]  # [Hq, T, D + R]
-    result, col = out[..., :D], D
-    for s in lr_blocks:
-        r = s.lv.shape[1]
-        bv = s.bv.view(r, Hkv, D).transpose(0, 1).repeat_interleave(Hq // Hkv, dim=0)  # [Hq, r, D]
-        result = result + s.scaling * (out[..., col : col + r] @ bv)  # s (P Lv) B^v
-        col += r
-    return result.transpose(0, 1).reshape(T, Hq * D)
+    )[0]  # [Hq, T, D]
+    return out.transpose(0, 1).reshape(T, Hq * D)
 
 
 def _explicit(q: torch.Tensor, q_start: int, segments: list[Segment]) -> torch.Tensor:
@@ -112,8 +96,9 @@ def attend(q: torch.Tensor, q_start: int, segments: list[Segment]) -> torch.Tens
 
     GQA: query head ``h`` reads kv head ``h // (n_heads / n_kv_heads)`` (HF ``repeat_kv`` order).
     Returns ``[T, n_heads * head_dim]``. Decode steps (``T <= DECODE_MAX``) with several segments
-    or an LR term run an explicit softmax that reads the segments in place; everything else runs
-    one fused SDPA pass (:func:`_sdpa`), which on long prefills is several times faster.
+    or an LR term run an explicit softmax that reads the segments in place and keeps the value term
+    low-rank (``s (P Lv) B^v``); everything else runs one fused SDPA pass (:func:`_sdpa`), which on
+    long prefills is several times faster.
     """
     if q.shape[0] <= DECODE_MAX and (len(segments) > 1 or segments[0].lv is not None):
         return _explicit(q, q_start, segments)

@@ -1,0 +1,97 @@
+"""The batch-level attention interface: metadata built once per forward, one call per layer.
+
+A forward's rows (sequences of the flattened batch) each read some cache ranges; the method's
+row plans say which (:mod:`precache.cache.plan`). :class:`BatchMetadata` records, for every row,
+its query rows in the batch, its first position (causal offset) and the ranges it reads, as pool
+rows (a slice per contiguous piece, or an index tensor) plus the LR part the row's adapter adds:
+``Lk``/``Lv`` columns of the pool's LR rows and the adapter whose ``B^k``/``B^v`` lift them.
+A backend turns that into attention output for one layer at a time; a kernel is one new
+:class:`AttentionBackend` subclass registered with :func:`register_backend`, nothing else changes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from precache.cache.pool import KVPool
+    from precache.lora.adapter import LoRAAdapter
+    from precache.models.contract import KVProjector
+
+
+@dataclass(frozen=True)
+class KVRead:
+    """Positions ``[start, end)`` of one cache, stored at pool rows ``rows``.
+
+    ``adapter``/``lr_cols`` (``(k columns, v columns)`` of ``pool.lr``): the agent's LR part,
+    ``K = Kb + RoPE(s Lk B^k)`` and ``V = Vb + s Lv B^v`` (DESIGN.md, Notation); None reads the
+    stored keys and values as they are (a base or full cache). ``cos``/``sin`` ``[end - start,
+    head_dim]``: RoPE tables of the range, set when the adapter has a k_proj LoRA.
+    """
+
+    pool: KVPool
+    start: int
+    end: int
+    rows: slice | torch.Tensor
+    adapter: LoRAAdapter | None = None
+    lr_cols: tuple[slice, slice] | None = None
+    cos: torch.Tensor | None = field(default=None, repr=False)
+    sin: torch.Tensor | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class RowAttention:
+    """One row: queries ``q_rows`` of the batch at positions ``[q_start, q_start + T)``, reading ``reads``
+    (in position order; key position ``p`` is visible to query position ``t`` when ``p <= t``)."""
+
+    q_rows: slice
+    q_start: int
+    reads: tuple[KVRead, ...]
+
+
+@dataclass(frozen=True)
+class BatchMetadata:
+    """Everything a backend needs about one forward, built once before the first layer."""
+
+    rows: tuple[RowAttention, ...]
+    num_tokens: int
+
+
+class AttentionBackend(ABC):
+    """Attention of every row of a forward at one layer.
+
+    :meth:`forward` takes the queries ``q`` ``[N, n_heads, head_dim]`` (after RoPE) and returns
+    ``[N, n_heads * head_dim]``; GQA maps query head ``h`` to kv head ``h // (n_heads / n_kv_heads)``
+    (HF ``repeat_kv`` order). The cache entries of this forward are already written when it runs.
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, layer: int, meta: BatchMetadata, model: KVProjector
+    ) -> torch.Tensor: ...
+
+
+BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    """Class decorator: make ``cls`` available as ``get_backend(cls.name)``."""
+    BACKENDS[cls.name] = cls
+    return cls
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """A new backend by name.
+
+    Raises:
+        ValueError: no backend has that name.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend '{name}' (backends: {', '.join(sorted(BACKENDS))})")
+    return BACKENDS[name]()

@@ -1,0 +1,41 @@
+"""The reference backend in plain torch (CPU and CUDA): each row's reads are materialised for the
+layer (contiguous pool pieces as views, scattered ones gathered) and fed to the segment maths of
+:mod:`precache.cache.attention.segments`."""
+
+from __future__ import annotations
+
+import torch
+
+from precache.cache.attention.base import AttentionBackend, BatchMetadata, KVRead, register_backend
+from precache.cache.attention.segments import Segment, attend
+
+
+def segment_at(read: KVRead, layer: int, model) -> Segment:
+    """``read`` at ``layer``: keys get the RoPE'd LoRA part, values keep the LR term apart."""
+    pool = read.pool
+    k, v = pool.k[layer][read.rows], pool.v[layer][read.rows]
+    adapter = read.adapter
+    if adapter is None or read.lr_cols is None:
+        return Segment(k, v, read.start)
+    lr = pool.lr[layer][read.rows]
+    if adapter.has(layer, "k_proj"):
+        delta = adapter.up(lr[:, read.lr_cols[0]], layer, "k_proj").view(k.shape)
+        k = k + model.rope.apply(delta, read.cos, read.sin)  # RoPE is linear: RoPE(Kb_lin + d) = Kb + RoPE(d)
+    if adapter.has(layer, "v_proj"):
+        bv = adapter.weights[(layer, "v_proj")][1]
+        return Segment(k, v, read.start, lr[:, read.lr_cols[1]], bv, adapter.scaling)
+    return Segment(k, v, read.start)
+
+
+@register_backend
+class TorchBackend(AttentionBackend):
+    """One SDPA call per prefill row, an explicit softmax per decode row (segments read in place)."""
+
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, layer: int, meta: BatchMetadata, model) -> torch.Tensor:
+        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+        for row in meta.rows:
+            segments = [segment_at(read, layer, model) for read in row.reads]
+            out[row.q_rows] = attend(q[row.q_rows], row.q_start, segments)
+        return out

@@ -1,0 +1,94 @@
+"""The contract between a model family and the cache: rows of a flattened batch, what each layer
+hands to attention, and the protocols both sides implement.
+
+``precache.cache`` imports only this module from ``precache.models``: a new model family is a new
+file that builds :class:`LayerInput` s and calls an :class:`AttentionBackend` at each layer; a new
+cache layout or kernel implements :class:`AttentionBackend` and never imports a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from precache.lora.adapter import LoRAAdapter
+
+
+class KVProjector(Protocol):
+    """What the cache needs from a model: KV projection and RoPE hooks.
+
+    ``finish_kv(layer, k_lin, v_lin, cos, sin)`` turns linear projections ``[n, n_kv_heads * head_dim]``
+    into ``(K after k-norm and RoPE, V)`` ``[n, n_kv_heads, head_dim]``; ``rope`` has
+    ``tables(positions)`` and ``apply(x, cos, sin)`` (RoFormer eq. 34); ``config`` is the
+    :class:`~precache.models.config.ModelConfig`.
+    """
+
+    config: object
+    rope: object
+    dtype: torch.dtype
+    device: torch.device
+
+    def finish_kv(self, layer: int, k_lin, v_lin, cos, sin) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class Row:
+    """One sequence of the flattened batch: tokens ``[start, end)``, run with ``adapter`` (None: base)."""
+
+    start: int
+    end: int
+    adapter: LoRAAdapter | None = None
+
+    @property
+    def slice(self) -> slice:
+        return slice(self.start, self.end)
+
+
+@dataclass
+class LayerInput:
+    """What a layer hands to the attention backend.
+
+    ``h`` ``[N, hidden]`` is the attention input (after the input RMSNorm, DESIGN.md ``h_l^m(t)``),
+    ``q`` ``[N, n_heads, head_dim]`` the per-row adapted queries after RoPE, ``cos``/``sin``
+    ``[N, head_dim]`` the RoPE tables at each token's position. ``k_lin``/``v_lin``
+    ``[N, n_kv_heads * head_dim]`` are the adapter-free projections ``h W_k (+ b)``, ``h W_v (+ b)``
+    from the fused qkv matmul.
+    """
+
+    layer: int
+    h: torch.Tensor
+    q: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    model: KVProjector
+    k_lin: torch.Tensor
+    v_lin: torch.Tensor
+    _base: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def base_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Adapter-free ``(K after RoPE, V)``, each ``[N, n_kv_heads, head_dim]`` (memoised)."""
+        if self._base is None:
+            self._base = self.model.finish_kv(self.layer, self.k_lin, self.v_lin, self.cos, self.sin)
+        return self._base
+
+    def adapted_kv(self, sl: slice, adapter: LoRAAdapter | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(K after RoPE, V)`` of tokens ``sl`` with ``adapter``: the full KV-cache entries."""
+        layer = self.layer
+        if adapter is None or not (adapter.has(layer, "k_proj") or adapter.has(layer, "v_proj")):
+            k, v = self.base_kv()
+            return k[sl], v[sl]
+        h, k_lin, v_lin = self.h[sl], self.k_lin[sl], self.v_lin[sl]
+        if adapter.has(layer, "k_proj"):
+            k_lin = k_lin + adapter.delta(h, layer, "k_proj")
+        if adapter.has(layer, "v_proj"):
+            v_lin = v_lin + adapter.delta(h, layer, "v_proj")
+        return self.model.finish_kv(layer, k_lin, v_lin, self.cos[sl], self.sin[sl])
+
+
+class AttentionBackend(Protocol):
+    """Writes cache entries for a layer and returns the attention output ``[N, n_heads * head_dim]``."""
+
+    def attend(self, x: LayerInput) -> torch.Tensor: ...
