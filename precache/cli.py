@@ -1,15 +1,22 @@
 """``precache`` command line: ``run | eval | adapters | bench | fidelity | serve``.
 
 Each package registers its own sub-commands through an ``add_commands(subparsers)`` function, so
-this module only wires them together.
+this module only wires them together. Sub-commands raise :class:`~precache.errors.PrecacheError`
+on bad input and never catch it: :func:`guard`, applied to every sub-command by :func:`main`, turns
+it into one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import logging
 import sys
+from collections.abc import Callable
+
+#: exit code of a command stopped by bad input (a PrecacheError), as argparse's usage errors
+EXIT_BAD_INPUT = 2
 
 _COMMAND_MODULES = ("precache.demo", "precache.agents.cli", "precache.bench.cli", "precache.server.cli")
 
@@ -31,18 +38,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def guard(command: Callable[[argparse.Namespace], int | None]) -> Callable[[argparse.Namespace], int]:
+    """Wrap a sub-command so that bad input ends it with one line, ``ErrorType: message``, on
+    stderr and exit code 2 (:data:`EXIT_BAD_INPUT`), no traceback. Only
+    :class:`~precache.errors.PrecacheError` is caught: any other exception is a bug and keeps its
+    traceback.
+    """
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        from rich.console import Console
+        from rich.text import Text
+
+        from precache.errors import PrecacheError
+
+        try:
+            return int(command(args) or 0)
+        except PrecacheError as exc:
+            line = Text.assemble((type(exc).__name__, "red"), f": {exc}")
+            Console(stderr=True, soft_wrap=True).print(line, highlight=False)
+            return EXIT_BAD_INPUT
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )
-    from precache.errors import PrecacheError
-
-    try:
-        return int(args.func(args) or 0)
-    except PrecacheError as exc:  # bad input: one clear line, no traceback
-        logging.getLogger("precache").error("%s: %s", type(exc).__name__, exc)
-        return 2
+    return guard(args.func)(args)
 
 
 if __name__ == "__main__":

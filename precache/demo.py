@@ -25,22 +25,25 @@ def run_demo(
     Row fields: ``method``, ``answer``, ``em``, ``f1``, ``ttft_sum_s``, ``latency_s`` (turn latencies,
     LP's neutral pass included), ``prefill_tokens``, ``kv_peak_bytes``, ``turns``.
 
+    ``adapter_set``: ``qv`` / ``all`` (the committed sets) or a folder with ``<agent>/`` adapters.
+
     Raises:
-        AdapterError: the committed adapter set is missing (run ``precache adapters train``).
+        AdapterError: the adapter set, or an agent's adapter in it, is missing (run
+            ``precache adapters train``).
     """
     import precache
-    from precache.agents.cli import ADAPTER_ROOT
+    from precache import resources
     from precache.agents.data import get_question, load_questions
     from precache.agents.loop import run_episode
     from precache.agents.prompt import ROLES
 
+    adapters = resources.adapter_set(adapter_set, ROLES)
     console = console or Console(width=max(132, Console().width))
     model = precache.load_model()
     question = get_question(question_id) if question_id else load_questions("dev")[0]
     console.print(
         f"[bold]Question[/] {question.id}: {question.question}\n[bold]Gold answer[/]: {question.answer}\n"
     )
-    adapters = {role: ADAPTER_ROOT / adapter_set / role for role in ROLES}
     rows = []
     for method in methods:
         engine = precache.Engine(model, adapters=adapters, method=method)
@@ -108,5 +111,5 @@ def add_commands(sub) -> None:
         "demo", help="one dev question under NonShared, PreLRShared and ReBaseShared, side by side"
     )
     p.add_argument("--question", default=None, help="HotpotQA id (default: the first dev question)")
-    p.add_argument("--adapters", default="qv", choices=("qv", "all"), help="committed adapter set")
+    p.add_argument("--adapters", default="qv", help="qv | all (committed sets) | DIR with DIR/<agent>/")
     p.set_defaults(func=_demo)

@@ -4,18 +4,17 @@ tokens than NonShared."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 import precache
 from precache.agents.data import load_questions
 from precache.agents.loop import STOP_REASONS, run_episode
 from precache.agents.prompt import INSTRUCTION, ROLES
+from precache.resources import adapter_set
 
 pytestmark = pytest.mark.slow
 
-ADAPTERS = Path(__file__).resolve().parents[1] / "adapters" / "smollm2-135m" / "qv"
+ADAPTERS = adapter_set("qv", ROLES)
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +23,7 @@ def episodes():
     question = load_questions("dev")[0]
     out = {}
     for method in precache.METHODS:
-        engine = precache.Engine(model, adapters={r: ADAPTERS / r for r in ROLES}, method=method)
+        engine = precache.Engine(model, adapters=ADAPTERS, method=method)
         session = engine.session()
         turns = []
         episode = run_episode(session, question, max_steps=4, max_new_tokens=48, on_turn=turns.append)

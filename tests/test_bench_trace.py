@@ -9,23 +9,21 @@ from pathlib import Path
 import pytest
 
 from precache.bench import plots, report
-from precache.bench.cli import resolve_adapters
 from precache.bench.hf_peft import METHOD_NAME, HFPeftAgents
 from precache.bench.replay import replay_engine
 from precache.bench.suite import run_suite
 from precache.bench.trace import TraceError, load_trace, paper_trace, parse_trace, token_stream
 from precache.cli import main
-from precache.errors import AdapterError
 from precache.methods import METHODS
+from precache.resources import trace_path
 from tests.tiny import make_engine, tiny_hf_model
 
-TRACES = Path(__file__).resolve().parents[1] / "benchmarks" / "traces"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
 def smoke():
-    trace = load_trace(TRACES / "smoke.csv", agents=("plan", "action", "reflect"))
+    trace = load_trace(trace_path("smoke"), agents=("plan", "action", "reflect"))
     return trace, token_stream(trace, vocab_size=96, seed=0)
 
 
@@ -39,7 +37,7 @@ def replays(tiny, smoke):
 # -- traces --------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("long_len", "total"), [(1024, 5008), (4096, 17296)])
 def test_paper_traces(long_len, total):
-    trace = load_trace(TRACES / f"paper_L{long_len}.csv", agents=("plan", "action", "reflect"))
+    trace = load_trace(trace_path(f"paper_L{long_len}"), agents=("plan", "action", "reflect"))
     assert trace.total_tokens == total
     assert len(trace.turns) == 17
     assert trace.turns == paper_trace(long_len).turns
@@ -173,19 +171,6 @@ def test_suite_medians_ratios_report_and_plot(tiny, smoke, tmp_path):
 
 
 # -- command line ----------------------------------------------------------------------------------
-def test_resolve_adapters_errors(tmp_path, tiny):
-    _, dirs, _ = tiny
-    root = Path(dirs["plan"]).parent
-    assert resolve_adapters(str(root), ["plan", "reflect"]) == {
-        "plan": root / "plan",
-        "reflect": root / "reflect",
-    }
-    with pytest.raises(AdapterError, match="no adapter for agent.s. critic"):
-        resolve_adapters(str(root), ["plan", "critic"])
-    with pytest.raises(AdapterError, match="no PEFT adapter folders"):
-        resolve_adapters(str(tmp_path))
-
-
 def test_cli_bench_trace(tiny, tmp_path, capsys):
     _, dirs, _ = tiny
     model_dir = tmp_path / "model"

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from precache.bench.serve import add_bench_serve, run_serve_bench
 from precache.bench.trace import Trace, TraceTurn
-from precache.cli import build_parser
-from precache.server.bench import add_bench_serve, run_serve_bench
+from precache.cli import build_parser, main
 from tests.test_server_support import char_tokenizer, tiny_with_tokenizer
 from tests.tiny import tiny_model
 
@@ -24,6 +24,18 @@ def test_serve_flags_parse_like_vllm():
     assert (args.host, args.port) == ("127.0.0.1", 8000)  # loopback by default
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--lora-modules", "plan"])
+
+
+def test_bad_input_ends_a_command_with_one_line_and_exit_code_2(tmp_path, capsys):
+    assert main(["serve", "--lora-modules", "plan=/a", "plan=/b"]) == 2
+    err = capsys.readouterr().err
+    assert err == "AdapterError: --lora-modules names the adapter 'plan' twice\n"
+    assert main(["bench", "serve", "--trace", "nope", "--json", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("TraceError: no trace file nope and no shipped trace 'nope' (shipped: ")
+    assert err.count("\n") == 1 and "smoke" in err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "serve", "--qps", "1,0", "--json", "x.json"])
 
 
 def test_bench_serve_reports_each_method_and_rate(tiny):

@@ -3,16 +3,15 @@ chat template, greedy answers equal to the offline engine, and cross-adapter reu
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 import precache
+from precache.resources import adapter_set
 from tests.test_server_support import live
 
 pytestmark = pytest.mark.slow
 
-PLAN = Path(__file__).resolve().parents[1] / "adapters" / "smollm2-135m" / "qv" / "plan"
+PLAN = adapter_set("qv", ["plan"])["plan"]
 
 
 @pytest.fixture(scope="module")

@@ -8,5 +8,6 @@ fidelity against NonShared (KL, top-1, per-layer base-cache error, answers), rep
 - ``fidelity``: teacher-forced lockstep comparison of a recorded trajectory under every method.
 - ``episodes``: recording NonShared agent episodes, free-running answers, the fidelity summary.
 - ``report`` / ``plots``: markdown and rich tables, JSON, PNG plots.
-- ``cli``: ``precache bench trace`` and ``precache fidelity``.
+- ``serve`` / ``loadgen``: the serving benchmark, trajectories replayed against the HTTP server.
+- ``cli``: ``precache bench trace | serve`` and ``precache fidelity``.
 """

@@ -1,4 +1,4 @@
-"""Sub-commands ``precache bench trace`` and ``precache fidelity``.
+"""Sub-commands ``precache bench trace | serve`` and ``precache fidelity``.
 
 The model, adapters and engines are loaded only when a command runs.
 """
@@ -12,45 +12,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from precache.errors import AdapterError, PrecacheError, UnknownMethodError
+from precache.errors import UnknownMethodError
+from precache.resources import adapter_set, trace_path
 
 logger = logging.getLogger(__name__)
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-ADAPTER_ROOT = REPO_ROOT / "adapters" / "smollm2-135m"
-TRACE_ROOT = REPO_ROOT / "benchmarks" / "traces"
-ADAPTER_SETS = ("qv", "all")
-
-
-def resolve_adapters(spec: str, roles: list[str] | None = None) -> dict[str, Path]:
-    """Adapter folders by agent name: ``qv`` / ``all`` (the committed sets) or a folder ``DIR``
-    whose sub-folders ``DIR/<agent>/`` hold PEFT adapters. ``roles``: the agents needed (None: all found).
-
-    Raises:
-        AdapterError: the folder, or a needed agent's adapter in it, is missing.
-    """
-    folder = ADAPTER_ROOT / spec if spec in ADAPTER_SETS else Path(spec).expanduser()
-    hint = f" (train it with `precache adapters train --set {spec}`)" if spec in ADAPTER_SETS else ""
-    found = (
-        {p.name: p for p in sorted(folder.iterdir()) if (p / "adapter_config.json").is_file()}
-        if folder.is_dir()
-        else {}
-    )
-    if not found:
-        raise AdapterError(f"no PEFT adapter folders (<agent>/adapter_config.json) under {folder}{hint}")
-    missing = [r for r in roles or [] if r not in found]
-    if missing:
-        raise AdapterError(
-            f"no adapter for agent(s) {', '.join(missing)} under {folder} (found: {', '.join(found)}){hint}"
-        )
-    return {r: found[r] for r in roles} if roles else found
-
-
-def _trace_path(name: str) -> Path:
-    """A trace file, or the name of a shipped trace (``paper_L1024`` -> benchmarks/traces/paper_L1024.csv)."""
-    path = Path(name)
-    shipped = TRACE_ROOT / f"{name}.csv"
-    return shipped if not path.exists() and shipped.is_file() else path
 
 
 def _methods(text: str) -> list[str]:
@@ -88,8 +53,8 @@ def _bench_trace(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     methods = _methods(args.methods)
-    trace = load_trace(_trace_path(args.trace))
-    adapters = resolve_adapters(args.adapters, trace.agents)
+    trace = load_trace(trace_path(args.trace))
+    adapters = adapter_set(args.adapters, trace.agents)
     model = precache.load_model(args.model, max_context=args.max_context)
     check_fits(trace, model.max_context)
     stream = token_stream(trace, model.config.vocab_size, _special_ids(model), args.seed)
@@ -123,7 +88,7 @@ def _fidelity(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     methods = _methods(args.methods)
-    adapters = resolve_adapters(args.adapters, ["plan", "action", "reflect"])
+    adapters = adapter_set(args.adapters, ["plan", "action", "reflect"])
     questions = load_questions(args.split)[: args.limit]
     model = precache.load_model(args.model)
     engines = {m: precache.Engine(model, adapters=adapters, method=m) for m in methods}
@@ -136,19 +101,6 @@ def _fidelity(args: argparse.Namespace) -> int:
     if args.plot_dir:
         plots.plot_fidelity(result, args.plot_dir)
     return 0
-
-
-def _guarded(func):
-    """Turn a user-actionable error into a one-line message and exit code 2."""
-
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return func(args)
-        except PrecacheError as exc:
-            Console(stderr=True).print(f"[red]{type(exc).__name__}[/red]: {exc}", highlight=False)
-            return 2
-
-    return run
 
 
 def _common(parser: argparse.ArgumentParser, default_methods: str) -> None:
@@ -168,7 +120,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     bench = sub.add_parser("bench", help="benchmarks: trace replay against NonShared and HF + PEFT")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from precache.server.bench import add_bench_serve
+    from precache.bench.serve import add_bench_serve
 
     add_bench_serve(bench_sub)
     trace = bench_sub.add_parser("trace", help="replay an agent trace with every method, side by side")
@@ -184,7 +136,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="tokens of RoPE tables past the model's own length (paper_L4096 needs 17,296 on SmolLM2's 8,192)",
     )
     _common(trace, ",".join(METHODS))
-    trace.set_defaults(func=_guarded(_bench_trace))
+    trace.set_defaults(func=_bench_trace)
 
     fidelity = sub.add_parser("fidelity", help="KL, top-1, base-cache error and answers vs NonShared")
     fidelity.add_argument("--split", choices=("dev", "train", "all"), default="dev")
@@ -193,4 +145,4 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     fidelity.add_argument("--max-new-tokens", type=int, default=64, help="tokens per agent turn")
     fidelity.add_argument("--plot-dir", help="folder for layer_error.png and kl_per_turn.png")
     _common(fidelity, ",".join(METHODS))
-    fidelity.set_defaults(func=_guarded(_fidelity))
+    fidelity.set_defaults(func=_fidelity)

@@ -1,6 +1,6 @@
 """``precache bench serve``: the serving benchmark. For each method and request rate, start the
 server on loopback (in this process), replay N trajectories of a trace with the ``openai`` client
-(:mod:`precache.server.loadgen`) and report p50/p90 TTFT, latency and throughput; optionally
+(:mod:`precache.bench.loadgen`) and report p50/p90 TTFT, latency and throughput; optionally
 plot TTFT against the request rate.
 """
 
@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 
 from precache.bench.trace import Trace, TraceTurn, check_fits, load_trace
+from precache.errors import TraceError
+from precache.resources import adapter_set, trace_path
 from precache.server.cli import (
     adapters_from_args,
     add_engine_arguments,
@@ -33,7 +35,6 @@ SMOKE_TRACE = Trace(
         TraceTurn("plan", 32, 8),
     ),
 )
-COMMITTED_ADAPTERS = Path(__file__).resolve().parents[2] / "adapters" / "smollm2-135m" / "qv"
 
 
 def run_serve_bench(
@@ -49,14 +50,13 @@ def run_serve_bench(
     """Benchmark every method at every request rate (requests/s) on a fresh server each.
 
     Returns ``{"trace", "sessions", "qps", "methods": {method: {qps: summary}}}`` with the
-    summaries of :func:`~precache.server.loadgen.summarize` (times in seconds).
+    summaries of :func:`~precache.bench.loadgen.summarize` (times in seconds).
 
     Raises:
         TraceError: the trace passes the model's context length or names an unloaded adapter.
         UnknownMethodError: a method does not exist.
     """
     import precache
-    from precache.bench.trace import TraceError
 
     check_fits(trace, model.max_context)
     missing = [a for a in trace.agents if a not in adapters]
@@ -76,8 +76,8 @@ def run_serve_bench(
 
 def _run_level(engine, trace: Trace, sessions: int, qps: float, model_name: str, seed: int) -> dict:
     """One method at one request rate, on a fresh server: the summary of the replay."""
+    from precache.bench.loadgen import replay, summarize
     from precache.server import LiveServer, ServerConfig, create_app
-    from precache.server.loadgen import replay, summarize
 
     model = engine.model
     special = set(getattr(model.tokenizer, "all_special_ids", []) or []) | set(engine.eos_token_ids)
@@ -155,30 +155,19 @@ def _table(result: dict):
     return table
 
 
-def _default_adapters(trace: Trace) -> dict[str, str]:
-    return {a: str(COMMITTED_ADAPTERS / a) for a in trace.agents if (COMMITTED_ADAPTERS / a).is_dir()}
-
-
 def _bench_serve(args: argparse.Namespace) -> int:
     from rich.console import Console
-
-    from precache.errors import PrecacheError
 
     for name in ("httpx", "httpx2"):  # the openai client logs every request at INFO
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    try:
-        trace = load_trace(args.trace) if args.trace else SMOKE_TRACE
-        adapters = adapters_from_args(args) or _default_adapters(trace)
-        model = load_model_from_args(args)
-        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-        qps = [float(q) for q in args.qps.split(",") if q.strip()]
-        result = run_serve_bench(
-            model, adapters, methods, qps, args.sessions, trace, served_model_name(args, model), args.seed
-        )
-    except (PrecacheError, ValueError) as exc:
-        logger.error("%s: %s", type(exc).__name__, exc)
-        return 1
+    trace = load_trace(trace_path(args.trace)) if args.trace else SMOKE_TRACE
+    adapters = adapters_from_args(args) or adapter_set(args.adapters, trace.agents)
+    model = load_model_from_args(args)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    result = run_serve_bench(
+        model, adapters, methods, args.qps, args.sessions, trace, served_model_name(args, model), args.seed
+    )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     Console().print(_table(result))
@@ -187,14 +176,47 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rates(text: str) -> list[float]:
+    """``"0.5,1,2"`` -> ``[0.5, 1.0, 2.0]`` requests/s (an argparse ``type``).
+
+    Raises:
+        argparse.ArgumentTypeError: a rate is not a number > 0.
+    """
+    try:
+        rates = [float(q) for q in text.split(",") if q.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes comma-separated numbers, got {text!r}") from None
+    if not rates or any(q <= 0 for q in rates):
+        raise argparse.ArgumentTypeError(f"request rates must be > 0, got {text!r}")
+    return rates
+
+
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
     """Register ``serve`` on the ``precache bench`` sub-parsers."""
     p = bench_sub.add_parser("serve", help="serving benchmark: TTFT, latency, throughput vs request rate")
     add_engine_arguments(p)
     p.add_argument("--methods", default="prelrshared,nonshared", help="comma-separated sharing methods")
-    p.add_argument("--qps", default="0.5,1,2,4", help="comma-separated request rates (requests/s)")
-    p.add_argument("--sessions", type=int, default=4, help="concurrent trajectories")
-    p.add_argument("--trace", default=None, help="CSV agent,prefill_len,decode_len (default: a smoke trace)")
+    p.add_argument(
+        "--adapters",
+        default="qv",
+        help="without --lora-modules: qv | all (committed sets) | DIR with DIR/<agent>/",
+    )
+    p.add_argument(
+        "--qps", type=_rates, default="0.5,1,2,4", help="comma-separated request rates (requests/s)"
+    )
+    p.add_argument("--sessions", type=_positive_int, default=4, help="concurrent trajectories")
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="CSV agent,prefill_len,decode_len or a shipped name (default: a smoke trace)",
+    )
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", required=True, help="results file")

@@ -20,13 +20,9 @@ from pathlib import Path
 
 import torch
 
-from precache.errors import PrecacheError
+from precache.errors import TraceError
 
 COLUMNS = ("agent", "prefill_len", "decode_len")
-
-
-class TraceError(PrecacheError, ValueError):
-    """A trace file is missing or malformed, or does not fit the engine it is replayed on."""
 
 
 @dataclass(frozen=True)

@@ -77,13 +77,9 @@ def _serve(args: argparse.Namespace) -> int:
     from precache.server.app import create_app
     from precache.server.config import ServerConfig
 
-    try:
-        adapters = adapters_from_args(args)
-        model = load_model_from_args(args)
-        engine = precache.Engine(model, adapters=adapters, method=args.method)
-    except precache.PrecacheError as exc:
-        logger.error("%s: %s", type(exc).__name__, exc)
-        return 1
+    adapters = adapters_from_args(args)
+    model = load_model_from_args(args)
+    engine = precache.Engine(model, adapters=adapters, method=args.method)
     config = ServerConfig(
         model_name=served_model_name(args, model),
         max_cache_bytes=args.max_cache_bytes,

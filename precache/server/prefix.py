@@ -34,10 +34,6 @@ class TokenTrie:
     def __contains__(self, key: str) -> bool:
         return key in self._paths
 
-    def path(self, key: str) -> list[int]:
-        """The token ids stored for ``key`` (empty when absent)."""
-        return list(self._paths.get(key, ()))
-
     def set(self, key: str, token_ids: list[int]) -> None:
         """Store ``token_ids`` as the trajectory of ``key``, replacing what it had."""
         old = self._paths.get(key, [])
