@@ -6,7 +6,7 @@ other agents read the author's adapted K/V unchanged, which is where its fidelit
 
 from __future__ import annotations
 
-from precache.cache.plan import FullWrite, RowPlan, View
+from precache.cache.plan import FullWrite, RowPlan, View, materialise_view
 from precache.methods.base import CacheState, SharingMethod
 
 
@@ -17,8 +17,8 @@ class FullShared(SharingMethod):
         return CacheState(full={"shared": self.new_kv_store()})
 
     def view_kv(self, state, agent, layer, end):
-        k, v = state.full["shared"].kv(layer, 0, end)
-        return k.clone(), v.clone()
+        shared = state.full["shared"]
+        return materialise_view(self.model, layer, View(shared, 0, min(end, shared.length)))
 
     def prefix_stores(self, state: CacheState):
         return {"shared": state.full["shared"]}

@@ -6,7 +6,7 @@ other agents added since its last turn, so N agents read each token at most N ti
 
 from __future__ import annotations
 
-from precache.cache.plan import FullWrite, RowPlan, View
+from precache.cache.plan import FullWrite, RowPlan, View, materialise_view
 from precache.methods.base import CacheState, SharingMethod
 
 _BASE_KEY = "<base>"
@@ -22,8 +22,8 @@ class NonShared(SharingMethod):
         return state.full[_BASE_KEY if agent is None else agent]
 
     def view_kv(self, state, agent, layer, end):
-        k, v = self._own(state, agent).kv(layer, 0, end)
-        return k.clone(), v.clone()
+        own = self._own(state, agent)  # an agent's view covers what it has read
+        return materialise_view(self.model, layer, View(own, 0, min(end, own.length)))
 
     def prefix_stores(self, state: CacheState):
         return dict(state.full)  # an agent reuses only what the same agent wrote
