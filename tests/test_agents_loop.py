@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 
@@ -11,6 +10,7 @@ from precache.agents import prompt
 from precache.agents.data import get_question
 from precache.agents.gold import gold_trajectory
 from precache.agents.loop import run_episode
+from precache.engine import Turn
 
 QID = "5a832c3455429954d2e2ec41"  # "Who was once considered the best kick boxer ...", answer Badr Hari
 GFC_TEXT = (
@@ -41,8 +41,14 @@ class FakeSession:
         text = self.script[agent].pop(0)
         ids = [ord(ch) for ch in text]
         self.token_ids += ids
-        return SimpleNamespace(
-            token_ids=ids, text=text, ttft_s=0.01, decode_s=0.02, prefill_tokens=len(ids), stop_reason="stop"
+        return Turn(
+            agent=agent,
+            token_ids=ids,
+            text=text,
+            ttft_s=0.01,
+            decode_s=0.02,
+            prefill_tokens=len(ids),
+            stop_reason="stop",
         )
 
     def __len__(self) -> int:

@@ -8,7 +8,8 @@ import torch
 
 from precache.bench import plots, report
 from precache.bench.episodes import RecordingSession, run_fidelity, summarize_turns
-from precache.bench.fidelity import RecordedTurn, compare_trajectory, forced_turn, kl_top1
+from precache.bench.fidelity import compare_trajectory, forced_turn, kl_top1
+from precache.engine import Turn
 from precache.methods import METHODS
 from tests.tiny import make_engine
 
@@ -18,7 +19,7 @@ SCRIPT = [("plan", 14, 4), ("action", 5, 3), ("plan", 0, 3), ("reflect", 6, 4), 
 SINGLE = [("plan", 14, 4), ("plan", 5, 3), ("plan", 6, 4)]
 
 
-def record(engine, script, seed: int = 5) -> list[RecordedTurn]:
+def record(engine, script, seed: int = 5) -> list[Turn]:
     """Run ``script`` greedily on ``engine`` (NonShared) through a RecordingSession."""
     gen = torch.Generator().manual_seed(seed)
     rec = RecordingSession(engine.session())
@@ -44,13 +45,11 @@ def test_recording_session_records_the_trajectory(tiny):
     model, dirs, _ = tiny
     engine = make_engine(model, dirs, "nonshared")
     turns = record(engine, SCRIPT)
-    assert [(t.agent, len(t.appended), len(t.generated)) for t in turns] == [(a, n, g) for a, n, g in SCRIPT]
+    assert [(t.agent, len(t.appended), len(t.token_ids)) for t in turns] == [(a, n, g) for a, n, g in SCRIPT]
     s = engine.session()
     for t in turns:  # replaying the record free-running regenerates it (greedy, deterministic)
         s.append(list(t.appended))
-        assert s.generate(t.agent, max_new_tokens=len(t.generated), temperature=0.0).token_ids == list(
-            t.generated
-        )
+        assert s.generate(t.agent, max_new_tokens=len(t.token_ids), temperature=0.0).token_ids == t.token_ids
 
 
 @pytest.mark.parametrize("method", ["prelrshared", "rebaseshared-lp", "rebaseshared-db", "baseshared"])

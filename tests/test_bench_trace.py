@@ -105,7 +105,7 @@ def test_replay_prefill_tokens_follow_the_method_definitions(smoke, replays):
     lp = replays["rebaseshared-lp"]
     assert sum(t.neutral_tokens for t in lp.turns) == trace.total_tokens - 1
     for r in replays.values():
-        assert [t.decode_tokens for t in r.turns] == [t.decode_len for t in trace.turns]
+        assert [t.new_tokens for t in r.turns] == [t.decode_len for t in trace.turns]
         assert r.metrics()["latency_s"] >= r.metrics()["ttft_s"] > 0
 
 
@@ -134,13 +134,13 @@ def test_hf_peft_baseline_matches_nonshared(tiny, smoke, replays):
         warnings.simplefilter("ignore", FutureWarning)
         baseline = HFPeftAgents(hf, dirs).replay(trace, stream)
     ours = replays["nonshared"]
-    assert [t.tokens for t in baseline.turns] == [t.tokens for t in ours.turns]
+    assert [t.token_ids for t in baseline.turns] == [t.token_ids for t in ours.turns]
     assert [t.prefill_tokens for t in baseline.turns] == [t.prefill_tokens for t in ours.turns]
     # ours counts whole 16-token blocks: each of the three agents' caches rounds up by < 16 tokens
     c = hf.config
     per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
     assert 0 <= ours.peak_kv_bytes - baseline.peak_kv_bytes < 3 * 16 * per_token
-    assert [t.tokens for t in replays["fullshared"].turns] != [t.tokens for t in ours.turns]
+    assert [t.token_ids for t in replays["fullshared"].turns] != [t.token_ids for t in ours.turns]
 
 
 def test_replay_refuses_a_trace_past_the_context(tiny):

@@ -8,7 +8,7 @@ import torch
 
 from precache.cache.plan import run_plans
 from precache.config import SamplingParams
-from precache.engine.turn import DONE, SteppedTurn
+from precache.engine.turn import SteppedTurn, TurnPhase
 from precache.server.errors import APIError
 from precache.server.prefix import TokenTrie
 from precache.server.protocol import CompletionRequest, sampling_params
@@ -55,23 +55,12 @@ def test_sampling_params_name_the_bad_field():
 
 
 def _turn(session, agent, n):
-    return SteppedTurn(session, agent, SamplingParams(max_new_tokens=n, temperature=0.0), _Codec(session))
-
-
-class _Codec:
-    def __init__(self, session):
-        self.engine = session.engine
-
-    def decode(self, ids):
-        return self.engine.decode(ids)
-
-    def decode_piece(self, ids):
-        return self.engine.decode_piece(ids)
+    return SteppedTurn(session, agent, SamplingParams(max_new_tokens=n, temperature=0.0))
 
 
 def _drive(turn, chunk):
     """Run a stepped turn alone, prefilling ``chunk`` tokens per forward."""
-    while turn.phase != DONE:
+    while turn.phase is not TurnPhase.DONE:
         plans = turn.plans(chunk)
         turn.advance(run_plans(turn.session.engine.model, plans)[0])
     return turn.out

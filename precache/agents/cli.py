@@ -112,6 +112,7 @@ def _eval(args: argparse.Namespace) -> int:
         engine.session,
         questions,
         reference_session=reference,
+        concurrency=args.concurrency,
         max_steps=args.max_steps,
         max_new_tokens=args.max_new_tokens,
     )
@@ -124,6 +125,14 @@ def _eval(args: argparse.Namespace) -> int:
         f"F1={summary['f1']:.3f} agreement with {REFERENCE_METHOD}={agreement:.3f}"
     )
     return 0
+
+
+def _positive(text: str) -> int:
+    """An argparse ``type``: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _engine_options(parser: argparse.ArgumentParser) -> None:
@@ -163,5 +172,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     evaluation.add_argument("--split", choices=("dev", "train", "all"), default="dev")
     evaluation.add_argument("--limit", type=int, default=None, help="first N questions of the split")
     evaluation.add_argument("--json", required=True, help="results file")
+    evaluation.add_argument(
+        "--concurrency", type=_positive, default=1, help="episodes run at once, their forwards batched"
+    )
     _engine_options(evaluation)
     evaluation.set_defaults(func=_eval)

@@ -12,11 +12,10 @@ from collections import Counter
 from collections.abc import Callable
 from statistics import mean
 
-from tqdm import tqdm
-
 from precache.agents.data import Question
 from precache.agents.loop import AgentSession, Episode, run_episode
 from precache.agents.scoring import normalize_answer
+from precache.engine.scheduler import run_concurrently
 
 logger = logging.getLogger(__name__)
 
@@ -64,20 +63,27 @@ def evaluate(
     new_session: Callable[[], AgentSession],
     questions: list[Question],
     reference_session: Callable[[], AgentSession] | None = None,
+    concurrency: int = 1,
     **episode_kwargs,
 ) -> dict:
-    """Run one episode per question (and one per question on the reference, if given).
+    """Run one episode per question (then one per question on the reference, if given).
 
-    ``new_session`` / ``reference_session`` return a fresh engine session per question.
-    Returns ``{"summary": summarize(...), "episodes": [...], "reference_episodes": [...]}``
-    (episodes as dicts).
+    ``new_session`` / ``reference_session`` return a fresh engine session per question;
+    ``concurrency`` episodes run at once on threads, so their forwards share batches
+    (:func:`~precache.engine.scheduler.run_concurrently`; greedy answers do not depend on it but
+    for floating-point batch effects). Returns ``{"summary": summarize(...), "episodes": [...],
+    "reference_episodes": [...]}`` (episodes as dicts, in the order of ``questions``).
     """
-    episodes, reference = [], []
-    for question in tqdm(questions, desc="eval", unit="q"):
-        episodes.append(run_episode(new_session(), question, **episode_kwargs))
-        if reference_session is not None:
-            reference.append(run_episode(reference_session(), question, **episode_kwargs))
-        logger.debug("%s: %r (gold %r)", question.id, episodes[-1].answer, question.answer)
+
+    def runner(factory: Callable[[], AgentSession]) -> Callable[[Question], Episode]:
+        return lambda question: run_episode(factory(), question, **episode_kwargs)
+
+    episodes = run_concurrently(runner(new_session), questions, concurrency, desc="eval")
+    for question, episode in zip(questions, episodes, strict=True):
+        logger.debug("%s: %r (gold %r)", question.id, episode.answer, question.answer)
+    reference = []
+    if reference_session is not None:
+        reference = run_concurrently(runner(reference_session), questions, concurrency, desc="reference")
     result = {
         "summary": summarize(episodes, reference if reference_session is not None else None),
         "episodes": [e.to_dict() for e in episodes],

@@ -1,7 +1,8 @@
 """The plan / action / reflect loop on one shared trajectory (protocol: :mod:`precache.agents.prompt`).
 
-The loop talks to the engine only through the session contract below; every agent continues
-the same token stream and no agent gets prompt text of its own.
+The loop talks to the engine only through the session contract below (its turns are the engine's
+:class:`~precache.engine.request.Turn` records); every agent continues the same token stream and no
+agent gets prompt text of its own.
 """
 
 from __future__ import annotations
@@ -9,13 +10,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 from precache.agents import prompt
 from precache.agents.data import Question
 from precache.agents.scoring import exact_match, f1
 from precache.agents.tools import ToolEnv
+from precache.engine.request import Turn
 from precache.errors import ContextLengthError
 
 logger = logging.getLogger(__name__)
@@ -23,40 +25,14 @@ logger = logging.getLogger(__name__)
 STOP_REASONS = ("reflect_right", "retries_exhausted", "reflect_unparsed", "max_steps", "context_length")
 
 
-class GeneratedTurn(Protocol):
-    """What ``session.generate`` returns."""
-
-    token_ids: list[int]
-    text: str
-    ttft_s: float
-    decode_s: float
-    prefill_tokens: int
-    stop_reason: str
-
-
 class AgentSession(Protocol):
     """The engine session contract the loop relies on (``precache.Engine.session()``)."""
 
     def append(self, text_or_token_ids: str | Sequence[int]) -> Any: ...
 
-    def generate(
-        self, agent: str, max_new_tokens: int, temperature: float, stop: list[str]
-    ) -> GeneratedTurn: ...
+    def generate(self, agent: str, max_new_tokens: int, temperature: float, stop: list[str]) -> Turn: ...
 
     def __len__(self) -> int: ...
-
-
-@dataclass(frozen=True)
-class Turn:
-    """One agent turn: its text, TTFT and decode time (seconds), prefilled and new tokens."""
-
-    agent: str
-    text: str
-    ttft_s: float
-    decode_s: float
-    prefill_tokens: int
-    new_tokens: int
-    stop_reason: str
 
 
 @dataclass
@@ -80,9 +56,10 @@ class Episode:
         return "".join(piece.text for piece in self.pieces)
 
     def to_dict(self) -> dict:
-        """JSON-ready summary (turns included, pieces folded into ``trajectory``)."""
-        data = asdict(self)
-        data.pop("pieces")
+        """JSON-ready summary (turns as :meth:`Turn.summary`, pieces folded into ``trajectory``)."""
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("turns", "pieces")}
+        data["answers"] = list(self.answers)
+        data["turns"] = [turn.summary() for turn in self.turns]
         data["trajectory"] = self.trajectory
         return data
 
@@ -115,7 +92,7 @@ class _Runner:
         if self.max_context is not None and len(self.session) + self.max_new_tokens > self.max_context:
             raise _Stop("context_length")
         try:
-            out = self.session.generate(
+            turn = self.session.generate(
                 agent=agent,
                 max_new_tokens=self.max_new_tokens,
                 temperature=0.0,
@@ -123,20 +100,11 @@ class _Runner:
             )
         except ContextLengthError as exc:
             raise _Stop("context_length") from exc
-        turn = Turn(
-            agent=agent,
-            text=out.text,
-            ttft_s=out.ttft_s,
-            decode_s=out.decode_s,
-            prefill_tokens=out.prefill_tokens,
-            new_tokens=len(out.token_ids),
-            stop_reason=out.stop_reason,
-        )
         self.episode.turns.append(turn)
-        self.episode.pieces.append(prompt.Piece(agent, out.text))
+        self.episode.pieces.append(prompt.Piece(agent, turn.text))
         if self.on_turn is not None:
             self.on_turn(turn)
-        return out.text
+        return turn.text
 
     def act(self) -> tuple[str, str] | None:
         """One plan (+ action) step. Returns ``(kind, argument)``, or None after an error observation."""

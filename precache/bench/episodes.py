@@ -2,7 +2,9 @@
 run every method free, and summarise (KL, top-1, base-cache error, answer agreement, EM / F1).
 
 Recording wraps the engine session in :class:`RecordingSession`, which the agent loop
-(:func:`precache.agents.loop.run_episode`) drives like a plain session.
+(:func:`precache.agents.loop.run_episode`) drives like a plain session. Every phase runs
+``concurrency`` episodes (or trajectories) at once, their forwards batched in each engine
+(:func:`~precache.engine.scheduler.run_concurrently`).
 """
 
 from __future__ import annotations
@@ -11,36 +13,27 @@ import logging
 import statistics
 from collections.abc import Sequence
 
-from rich.progress import Progress
-
-from precache.bench.fidelity import REFERENCE, RecordedTurn, compare_trajectory
+from precache.bench.fidelity import REFERENCE, compare_trajectory
+from precache.engine.request import Turn
+from precache.engine.scheduler import run_concurrently
 
 logger = logging.getLogger(__name__)
 
 
 class RecordingSession:
-    """An engine session that records each agent turn as a :class:`RecordedTurn`.
-
-    Text is tokenised the way ``Session.append`` does it (no special tokens), so the recorded ids
-    are exactly the trajectory's.
-    """
+    """An engine session that keeps each agent turn (:class:`Turn`, with the ids appended before it)."""
 
     def __init__(self, session):
         self.session = session
-        self.turns: list[RecordedTurn] = []
-        self._pending: list[int] = []
+        self.turns: list[Turn] = []
 
     def append(self, content: str | Sequence[int]) -> int:
-        ids = self.session.engine.encode(content) if isinstance(content, str) else [int(t) for t in content]
-        n = self.session.append(ids)
-        self._pending.extend(ids)
-        return n
+        return self.session.append(content)
 
-    def generate(self, agent: str, **kwargs):
-        out = self.session.generate(agent=agent, **kwargs)
-        self.turns.append(RecordedTurn(agent, tuple(self._pending), tuple(out.token_ids)))
-        self._pending = []
-        return out
+    def generate(self, agent: str, **kwargs) -> Turn:
+        turn = self.session.generate(agent=agent, **kwargs)
+        self.turns.append(turn)
+        return turn
 
     def __len__(self) -> int:
         return len(self.session)
@@ -85,43 +78,50 @@ def _answers(episodes: list, reference: list) -> dict:
     }
 
 
-def run_fidelity(engines: dict, questions: list, reference: str = REFERENCE, **episode_kwargs) -> dict:
+def run_fidelity(
+    engines: dict, questions: list, reference: str = REFERENCE, concurrency: int = 1, **episode_kwargs
+) -> dict:
     """Fidelity of every engine (by method name) against ``engines[reference]`` on ``questions``.
 
     ``episode_kwargs`` go to :func:`precache.agents.loop.run_episode` (``max_steps``,
-    ``max_new_tokens``). Returns ``{"episodes", "turns", "methods": {name: summary},
-    "per_turn": {name: [records]}}``; a summary has :func:`summarize_turns`'s fields plus
-    ``agreement`` (share of normalised final answers equal to the reference's, free-running),
-    ``em`` and ``f1``.
+    ``max_new_tokens``); ``concurrency`` questions run at once. Returns ``{"episodes", "turns",
+    "methods": {name: summary}, "per_turn": {name: [records]}}`` (in the order of ``questions``); a
+    summary has :func:`summarize_turns`'s fields plus ``agreement`` (share of normalised final
+    answers equal to the reference's, free-running), ``em`` and ``f1``.
     """
     from precache.agents.loop import run_episode
 
-    recorded, ref_episodes = [], []
+    def record(question):
+        rec = RecordingSession(engines[reference].session())
+        return run_episode(rec, question, **episode_kwargs), rec.turns
+
+    recorded = run_concurrently(record, questions, concurrency, desc=f"record {reference}")
+    ref_episodes = [episode for episode, _ in recorded]
+    compared = run_concurrently(
+        lambda rec: compare_trajectory(engines, rec[1], reference),
+        recorded,
+        concurrency,
+        desc="teacher-force",
+    )
     per_turn: dict[str, list[dict]] = {name: [] for name in engines}
-    free: dict[str, list] = {name: [] for name in engines}
-    with Progress(transient=True) as progress:
-        task = progress.add_task("fidelity", total=len(questions) * (len(engines) + 1))
-        for question in questions:
-            rec = RecordingSession(engines[reference].session())
-            ref_episodes.append(run_episode(rec, question, **episode_kwargs))
-            recorded.append(rec.turns)
-            progress.advance(task)
-            for name, records in compare_trajectory(engines, rec.turns, reference).items():
-                per_turn[name].extend({"question": question.id, **r} for r in records)
-            for name, engine in engines.items():
-                episode = (
-                    ref_episodes[-1]
-                    if name == reference
-                    else run_episode(engine.session(), question, **episode_kwargs)
-                )
-                free[name].append(episode)
-                progress.advance(task)
+    for question, by_method in zip(questions, compared, strict=True):
+        for name, records in by_method.items():
+            per_turn[name].extend({"question": question.id, **r} for r in records)
+    free: dict[str, list] = {reference: ref_episodes}
+    for name, engine in engines.items():
+        if name != reference:
+            free[name] = run_concurrently(
+                lambda q, engine=engine: run_episode(engine.session(), q, **episode_kwargs),
+                questions,
+                concurrency,
+                desc=f"free {name}",
+            )
     methods = {
         name: {**summarize_turns(per_turn[name]), **_answers(free[name], ref_episodes)} for name in engines
     }
     return {
         "episodes": len(questions),
-        "turns": sum(len(t) for t in recorded),
+        "turns": sum(len(turns) for _, turns in recorded),
         "reference": reference,
         "methods": methods,
         "per_turn": per_turn,

@@ -1,7 +1,8 @@
 """Fidelity of a sharing method against NonShared on the same trajectories, teacher-forced.
 
-A trajectory is a list of :class:`RecordedTurn` (tokens appended before the turn, tokens the
-agent generated), recorded once under NonShared. Every method then replays it in lockstep with a
+A trajectory is a list of engine :class:`~precache.engine.request.Turn` records (``appended``:
+tokens appended before the turn, ``token_ids``: tokens the agent generated), recorded once under
+NonShared. Every method then replays it in lockstep with a
 NonShared reference session: the same tokens are appended and each agent turn is teacher-forced
 through the recorded tokens, so every method sees the same context and its next-token
 distribution can be compared position by position. Per agent turn:
@@ -20,20 +21,11 @@ distribution can be compared position by position. Per agent turn:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from precache.engine.request import Turn
+
 REFERENCE = "nonshared"
-
-
-@dataclass(frozen=True)
-class RecordedTurn:
-    """One agent turn of a recorded trajectory: ``appended`` ids arrive, ``agent`` generates ``generated``."""
-
-    agent: str
-    appended: tuple[int, ...]
-    generated: tuple[int, ...]
 
 
 def forced_turn(session, agent: str, token_ids: list[int]) -> torch.Tensor:
@@ -81,12 +73,12 @@ def kl_top1(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[list[float]
     return kl.tolist(), same.tolist()
 
 
-def _turn_record(reference, session, turn: RecordedTurn, ref_logits, logits, processed: int) -> dict:
+def _turn_record(reference, session, turn: Turn, ref_logits, logits, processed: int) -> dict:
     kl, same = kl_top1(ref_logits, logits)
     record = {
         "agent": turn.agent,
         "position": processed,
-        "tokens": len(turn.generated),
+        "tokens": len(turn.token_ids),
         "first_kl": kl[0],
         "mean_kl": sum(kl) / len(kl),
         "first_top1": float(same[0]),
@@ -99,9 +91,7 @@ def _turn_record(reference, session, turn: RecordedTurn, ref_logits, logits, pro
     return record
 
 
-def compare_trajectory(
-    engines: dict, turns: list[RecordedTurn], reference: str = REFERENCE
-) -> dict[str, list[dict]]:
+def compare_trajectory(engines: dict, turns: list[Turn], reference: str = REFERENCE) -> dict[str, list[dict]]:
     """Teacher-force ``turns`` on a fresh session of every engine in ``engines`` (by method name)
     in lockstep with a separate reference session of ``engines[reference]``.
 
@@ -117,9 +107,9 @@ def compare_trajectory(
     for turn in turns:
         processed = len(ref.authors)
         ref.append(list(turn.appended))
-        ref_logits = forced_turn(ref, turn.agent, list(turn.generated))
+        ref_logits = forced_turn(ref, turn.agent, turn.token_ids)
         for name, session in sessions.items():
             session.append(list(turn.appended))
-            logits = forced_turn(session, turn.agent, list(turn.generated))
+            logits = forced_turn(session, turn.agent, turn.token_ids)
             out[name].append(_turn_record(ref, session, turn, ref_logits, logits, processed))
     return out

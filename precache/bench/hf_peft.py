@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from precache.bench.replay import Replay, TurnRecord
+from precache.bench.replay import Replay
 from precache.bench.trace import Trace, TraceError
+from precache.engine.request import Turn
 
 METHOD_NAME = "hf-peft"
 
@@ -110,5 +111,15 @@ class HFPeftAgents:
             tokens, ttft, decode = self.turn(trajectory, turn.agent, caches[turn.agent], turn.decode_len)
             kv = sum(_cache_bytes(c) for c in caches.values())
             peak = max(peak, kv)
-            records.append(TurnRecord(turn.agent, ttft, decode, len(tokens), prefill, kv, tokens=tokens))
+            records.append(
+                Turn(
+                    agent=turn.agent,
+                    token_ids=tokens,
+                    stop_reason="length",
+                    ttft_s=ttft,
+                    decode_s=decode,
+                    prefill_tokens=prefill,
+                    kv_bytes=kv,
+                )
+            )
         return Replay(METHOD_NAME, trace.total_tokens, records, peak)

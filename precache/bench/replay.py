@@ -1,6 +1,6 @@
 """Replay a trace on one engine session and measure each turn.
 
-Timing follows :class:`precache.engine.session.Turn`: TTFT runs from the start of the turn's
+Each replayed turn is an engine :class:`~precache.engine.request.Turn`: TTFT runs from the start of the turn's
 prefill to the first sampled token, decode from there to the last token. A replay's total latency
 is the sum of its turn latencies plus ReBaseShared LP's post-turn neutral pass, which holds the
 single stream between turns without delaying the next turn's TTFT; throughput is the trajectory
@@ -10,25 +10,10 @@ length divided by that total.
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from precache.bench.trace import Trace, check_fits
-
-
-@dataclass
-class TurnRecord:
-    """One replayed turn. Times in seconds, sizes in bytes; ``kv_bytes`` is the total KV-cache
-    size once the turn is over; ``tokens`` are the generated ids."""
-
-    agent: str
-    ttft_s: float
-    decode_s: float
-    decode_tokens: int
-    prefill_tokens: int
-    kv_bytes: int
-    neutral_tokens: int = 0
-    neutral_s: float = 0.0
-    tokens: list[int] = field(default_factory=list, repr=False)
+from precache.engine.request import Turn
 
 
 @dataclass
@@ -37,7 +22,7 @@ class Replay:
 
     method: str
     trajectory_tokens: int
-    turns: list[TurnRecord]
+    turns: list[Turn]
     peak_kv_bytes: int
 
     def metrics(self) -> dict[str, float]:
@@ -52,7 +37,7 @@ class Replay:
         ttft = sum(t.ttft_s for t in self.turns)
         latency = sum(t.ttft_s + t.decode_s + t.neutral_s for t in self.turns)
         decode_s = sum(t.decode_s for t in self.turns)
-        steps = sum(t.decode_tokens - 1 for t in self.turns)
+        steps = sum(t.new_tokens - 1 for t in self.turns)
         return {
             "ttft_s": ttft,
             "latency_s": latency,
@@ -66,31 +51,21 @@ class Replay:
 
 def replay_engine(engine, trace: Trace, stream: list[list[int]]) -> Replay:
     """Replay ``trace`` on a fresh session of ``engine``: append each turn's ids from ``stream``,
-    then generate exactly ``decode_len`` tokens greedily (EOS is switched off on the engine).
+    then generate exactly ``decode_len`` tokens greedily (``ignore_eos``).
 
     Raises:
         TraceError: the trace passes the model's context length.
         UnknownAdapterError: a turn's agent is not loaded.
     """
     check_fits(trace, engine.max_context)
-    engine.eos_token_ids = frozenset()
     gc.collect()
     session = engine.session()
-    records = []
+    turns = []
     for turn, ids in zip(trace.turns, stream, strict=True):
         session.append(ids)
-        out = session.generate(agent=turn.agent, max_new_tokens=turn.decode_len, temperature=0.0)
-        records.append(
-            TurnRecord(
-                turn.agent,
-                out.ttft_s,
-                out.decode_s,
-                len(out.token_ids),
-                out.prefill_tokens,
-                session.cache_bytes()["total"],
-                out.neutral_tokens,
-                out.neutral_s,
-                list(out.token_ids),
+        turns.append(
+            session.generate(
+                agent=turn.agent, max_new_tokens=turn.decode_len, temperature=0.0, ignore_eos=True
             )
         )
-    return Replay(engine.method_name, trace.total_tokens, records, session.cache_bytes()["peak"])
+    return Replay(engine.method_name, trace.total_tokens, turns, session.cache_bytes()["peak"])

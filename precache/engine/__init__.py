@@ -1,6 +1,18 @@
-"""Engine, sessions and sampling."""
+"""Engine, scheduler, requests, sessions and sampling."""
 
 from precache.engine.engine import Engine
-from precache.engine.session import Session, StreamChunk, Turn
+from precache.engine.request import Request, RequestState, StreamChunk, Turn
+from precache.engine.scheduler import Batch, SchedulerConfig, run_concurrently
+from precache.engine.session import Session
 
-__all__ = ["Engine", "Session", "StreamChunk", "Turn"]
+__all__ = [
+    "Batch",
+    "Engine",
+    "Request",
+    "RequestState",
+    "SchedulerConfig",
+    "Session",
+    "StreamChunk",
+    "Turn",
+    "run_concurrently",
+]

@@ -4,15 +4,37 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
+from precache.cache.plan import run_plans
 from precache.cache.pool import DEFAULT_BLOCK_SIZE
+from precache.engine.request import Request, Turn
+from precache.engine.scheduler import Batch, Scheduler, run_concurrently
 from precache.engine.session import Session
 from precache.errors import AdapterError
 from precache.lora.adapter import LoRAAdapter, load_adapter
 from precache.methods import make_method
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# HF fast tokenizers refuse concurrent use from two threads ("Already borrowed"), and engines may
+# share one tokenizer: every tokenizer call in the process goes through this lock (microseconds).
+TOKENIZER_LOCK = threading.RLock()
+# Engines over one model run their forwards one at a time (fidelity and eval drive several).
+_FORWARD_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_FORWARD_LOCKS_GUARD = threading.Lock()
+
+
+def _forward_lock(model) -> threading.Lock:
+    with _FORWARD_LOCKS_GUARD:
+        return _FORWARD_LOCKS.setdefault(model, threading.Lock())
 
 
 class Engine:
@@ -59,6 +81,7 @@ class Engine:
         )
         self.pool = self.method.pool
         self.eos_token_ids = self._eos_ids()
+        self.scheduler = Scheduler(self._forward)
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -96,14 +119,80 @@ class Engine:
         """Token ids of ``text`` without special tokens (requires a tokenizer)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: append token ids instead of text")
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        with TOKENIZER_LOCK:
+            return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
             return " ".join(map(str, token_ids))
-        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        with TOKENIZER_LOCK:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def decode_piece(self, token_ids: list[int]) -> str:
         """Text the last token of ``token_ids`` adds (context of a few tokens for multi-byte pieces)."""
         tail = token_ids[-6:]
         return self.decode(tail)[len(self.decode(tail[:-1])) :]
+
+    # -- batching: one scheduler, one forward per step -------------------------------------------
+    def _forward(self, plans: list) -> list:
+        with _forward_lock(self.model):
+            return run_plans(self.model, plans)
+
+    def submit(self, request: Request) -> Request:
+        """Queue ``request`` (any thread; :meth:`Session.submit` builds and validates one); it joins
+        the batch at the next :meth:`step`."""
+        self.scheduler.add(request)
+        return request
+
+    def step(self) -> Batch:
+        """Run ONE batched forward over every running request (prefill chunks, decode rows,
+        ReBaseShared's neutral rows, post-turn passes) after admitting waiting ones; return what ran.
+        One thread steps at a time: a concurrent call waits for the running step, then runs its own."""
+        return self.scheduler.step()
+
+    def wait(self, request: Request, until: Callable[[], bool] | None = None) -> None:
+        """Step until ``until()`` holds (default: ``request`` finished), or wait while another thread
+        steps: every waiting thread's rows share the same forwards. Errors stay on the request
+        (:meth:`Request.outcome`)."""
+        self.scheduler.drive(until or (lambda: request.finished))
+
+    def wait_all(self, requests: Sequence[Request]) -> list[Turn]:
+        """Step until every request is over; return their turns in order.
+
+        Raises:
+            the first request's error (:meth:`Request.outcome`).
+        """
+        self.scheduler.drive(lambda: all(r.finished for r in requests))
+        return [r.outcome() for r in requests]
+
+    def cancel(self, request: Request) -> None:
+        """Cancel ``request`` at the next step (any thread; see :meth:`Scheduler.cancel`)."""
+        self.scheduler.cancel(request)
+
+    def generate_batch(
+        self, prompts: Sequence[str | list[int]], agent: str | None = None, **kwargs
+    ) -> list[Turn]:
+        """One turn of ``agent`` on a new session per prompt, all batched together (like
+        ``vllm.LLM.generate``); keyword arguments are :class:`~precache.config.SamplingParams`
+        fields. Returns the turns in the order of ``prompts``.
+
+        Raises:
+            UnknownAdapterError, EmptyRequestError, ContextLengthError, ValueError: a bad prompt or
+            parameter (nothing runs).
+        """
+        sessions = [self.session() for _ in prompts]
+        for session, prompt in zip(sessions, prompts, strict=True):
+            session.append(prompt)
+        params = [s.validate(agent, dict(kwargs)) for s in sessions]
+        return self.wait_all(
+            [self.submit(Request(s, agent, p)) for s, p in zip(sessions, params, strict=True)]
+        )
+
+    def run_concurrently(
+        self, fn: Callable[[T], R], items: Iterable[T], concurrency: int = 1, desc: str | None = None
+    ) -> list[R]:
+        """``[fn(item) for item in items]`` on ``concurrency`` threads (results in input order, a
+        progress bar when ``desc`` is given): N independent trajectories, e.g. agent episodes each on
+        its own session of this engine, whose forwards are batched
+        (:func:`~precache.engine.scheduler.run_concurrently`)."""
+        return run_concurrently(fn, items, concurrency, desc)

@@ -1,74 +1,56 @@
-"""A session: one shared trajectory, its caches, and the agents' turns on it."""
+"""A session: one shared trajectory, its caches, and the agents' turns on it.
+
+A session is a thin client of its engine's scheduler: :meth:`Session.generate`, :meth:`stream`
+and :meth:`teacher_force` submit a :class:`~precache.engine.request.Request` and wait while the
+engine steps (:meth:`Engine.step`), so turns of several sessions share forwards.
+"""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import torch
-
-from precache.cache.plan import run_plans
 from precache.config import SamplingParams
-from precache.engine.turn import DONE, SteppedTurn
-from precache.errors import ContextLengthError, EmptyRequestError, UnknownAdapterError
+from precache.engine.request import Request, StreamChunk, Turn
+from precache.errors import ContextLengthError, EmptyRequestError, SessionBusyError, UnknownAdapterError
 
 
-@dataclass
-class Turn:
-    """One agent's turn. Times in seconds; ``prefill_tokens`` counts every row of the prefill
-    forward (ReBaseShared DB's neutral row included); ``neutral_tokens``/``neutral_s`` are LP's
-    post-turn neutral pass, which runs outside the next turn's TTFT. ``start`` is the first position
-    the turn prefilled; ``first_logits`` ``[vocab]`` the fp32 logits the first token was sampled from;
-    ``logits`` ``[n, vocab]`` every step's logits (teacher-forced turns only)."""
-
-    agent: str | None
-    token_ids: list[int]
-    text: str
-    ttft_s: float
-    decode_s: float
-    prefill_tokens: int
-    stop_reason: str
-    neutral_tokens: int = 0
-    neutral_s: float = 0.0
-    start: int = 0
-    first_logits: torch.Tensor | None = field(default=None, repr=False)
-    logits: torch.Tensor | None = field(default=None, repr=False)
-
-    @property
-    def latency_s(self) -> float:
-        return self.ttft_s + self.decode_s
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        steps = len(self.token_ids) - 1
-        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token-id sequences."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
-@dataclass
-class StreamChunk:
-    """A token as it is generated, with the text it adds."""
-
-    token_id: int
-    text: str
-
-
-@dataclass
+@dataclass(eq=False)
 class Session:
     """One trajectory shared by all agents of an :class:`~precache.engine.engine.Engine`.
 
     ``token_ids`` is the whole trajectory; ``authors[t]`` the agent whose forward processed token
     t first (DESIGN.md, Notation). The caches live in ``state`` (see :mod:`precache.methods`).
+    ``id`` names the trajectory (the server's ``session_id``); ``active`` is the request whose turn
+    runs on it (None between turns); ``last_turn_end`` the trajectory length when the latest turn
+    closed (what was appended since is the next turn's :attr:`Turn.appended`).
     """
 
     engine: object
     token_ids: list[int] = field(default_factory=list)
     authors: list[str | None] = field(default_factory=list)
+    state: object = field(default=None, repr=False)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
     peak_bytes: int = 0
-    last_turn: Turn | None = None
+    last_turn: Turn | None = field(default=None, repr=False)
+    last_turn_end: int = 0
+    active: Request | None = field(default=None, repr=False)
 
     def __post_init__(self):
         self.method = self.engine.method
-        self.state = self.method.new_state()
+        if self.state is None:
+            self.state = self.method.new_state()
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -79,7 +61,9 @@ class Session:
 
         Raises:
             ContextLengthError: the trajectory would pass the model's context length (nothing appended).
+            SessionBusyError: a turn runs on this session.
         """
+        self._check_idle("append to")
         ids = self.engine.encode(content) if isinstance(content, str) else [int(t) for t in content]
         if len(self.token_ids) + len(ids) > self.engine.max_context:
             raise ContextLengthError(
@@ -91,34 +75,51 @@ class Session:
 
     def sync(self, token_ids: list[int]) -> int:
         """Make the trajectory equal ``token_ids``, cutting every cache back to the common prefix
-        (DESIGN.md fact 6). Returns the common prefix length."""
-        common = 0
-        for a, b in zip(self.token_ids, token_ids, strict=False):
-            if a != b:
-                break
-            common += 1
+        (DESIGN.md fact 6). Returns the common prefix length.
+
+        Raises:
+            ContextLengthError: ``token_ids`` passes the context length (the caches are already cut).
+            SessionBusyError: a turn runs on this session.
+        """
+        self._check_idle("sync")
+        common = common_prefix(self.token_ids, token_ids)
         if common < len(self.token_ids):
             self.method.truncate(self.state, common)
             del self.authors[common:]
             del self.token_ids[common:]
+            self.last_turn_end = min(self.last_turn_end, common)
         self.append(list(token_ids[common:]))
         return common
 
-    def segments(self) -> list[tuple[str | None, int, int]]:
-        """``(author, start, end)`` runs of processed tokens."""
-        out: list[tuple[str | None, int, int]] = []
-        for t, a in enumerate(self.authors):
-            if out and out[-1][0] == a:
-                out[-1] = (a, out[-1][1], t + 1)
-            else:
-                out.append((a, t, t + 1))
-        return out
+    def fork(self, length: int) -> Session:
+        """A new session of the same engine over the first ``length`` tokens of this trajectory,
+        sharing their cache blocks (``method.fork_state``: a reference per block, no copy). Only
+        between turns; the two sessions then go on independently.
+
+        Raises:
+            SessionBusyError: a turn runs on this session.
+            ValueError: ``length`` is not in ``[0, len(self)]``.
+        """
+        self._check_idle("fork")
+        if not 0 <= length <= len(self.token_ids):
+            raise ValueError(f"cannot fork {length} tokens of a {len(self.token_ids)}-token trajectory")
+        return Session(
+            self.engine,
+            token_ids=self.token_ids[:length],
+            authors=self.authors[:length],
+            state=self.method.fork_state(self.state, length),
+            last_turn_end=min(self.last_turn_end, length),
+        )
 
     def cache_bytes(self) -> dict:
         """Bytes per cache: ``{"base", "lr": {agent: n}, "full": {agent: n}, "turn", "total", "peak"}``."""
         out = self.method.cache_bytes(self.state)
         out["peak"] = self.peak_bytes
         return out
+
+    def note_cache_bytes(self) -> None:
+        """Fold the current cache size into ``peak_bytes`` (called after every forward)."""
+        self.peak_bytes = max(self.peak_bytes, self.method.cache_bytes(self.state)["total"])
 
     def check(self) -> None:
         """Cache integrity check (raises :class:`~precache.errors.CacheIntegrityError`)."""
@@ -127,23 +128,46 @@ class Session:
     # -- turns ---------------------------------------------------------------------------------
     def generate(self, agent: str | None = None, **kwargs) -> Turn:
         """Run one turn for ``agent`` (None: base model) and return it. Keyword arguments are
-        :class:`~precache.config.SamplingParams` fields (``max_new_tokens``, ``temperature``, ``stop``, ...).
+        :class:`~precache.config.SamplingParams` fields (``max_new_tokens``, ``temperature``, ``stop``,
+        ``ignore_eos``, ...). Another thread's turn on this session runs first.
 
         Raises:
             UnknownAdapterError, EmptyRequestError, ContextLengthError, ValueError: bad request;
             the session is left unchanged.
+            RequestCancelledError: another thread cancelled the request.
         """
-        for _ in self.stream(agent, **kwargs):
-            pass
-        return self.last_turn
+        request = self.submit(agent, **kwargs)
+        self.engine.wait(request)
+        return request.outcome()
+
+    def submit(self, agent: str | None = None, **kwargs) -> Request:
+        """Validate and queue a turn (as :meth:`generate`) without waiting for it; the engine runs it
+        as it steps (:meth:`Engine.wait`, :meth:`Engine.step`)."""
+        return self.engine.submit(Request(self, agent, self.validate(agent, kwargs)))
 
     def stream(self, agent: str | None = None, **kwargs) -> Iterator[StreamChunk]:
         """Like :meth:`generate`, yielding each token as it is sampled; the turn lands in ``last_turn``.
 
-        Validation happens on the call, before the first token is requested.
+        Validation happens on the call, and the request joins the batch at once; leaving the
+        iterator early cancels the turn (its tokens so far stay in the trajectory).
         """
-        params = self.validate(agent, kwargs)
-        return self._turn(agent, params)
+        return self._chunks(self.submit(agent, **kwargs))
+
+    def teacher_force(self, agent: str | None, token_ids: list[int]) -> Turn:
+        """Run ``agent``'s turn producing exactly ``token_ids`` (teacher forcing) and return it, with
+        ``turn.logits`` ``[len(token_ids), vocab]``: the fp32 logits each forced token was predicted
+        from. The caches end as after a turn that generated those tokens (the last one pending).
+
+        Raises:
+            UnknownAdapterError, EmptyRequestError, ContextLengthError: as :meth:`generate`.
+        """
+        if not token_ids:
+            raise EmptyRequestError("teacher forcing needs at least one token")
+        params = self.validate(agent, {"max_new_tokens": len(token_ids)})
+        self.check_room(len(token_ids))
+        request = self.engine.submit(Request(self, agent, params, forced=list(token_ids)))
+        self.engine.wait(request)
+        return request.outcome()
 
     def validate(self, agent: str | None, kwargs: dict) -> SamplingParams:
         """Check a turn request against this session; return its :class:`SamplingParams`.
@@ -158,63 +182,37 @@ class Session:
             stop = kwargs["stop"]
             kwargs["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
         params = SamplingParams(**kwargs)
-        if not self.token_ids:
-            raise EmptyRequestError("the trajectory is empty: append a prompt before generating")
-        if len(self.token_ids) >= self.engine.max_context:
-            raise ContextLengthError(
-                f"the trajectory has {len(self.token_ids)} tokens, the context length is {self.engine.max_context}"
-            )
+        self.check_room()
         return params
 
-    def note_cache_bytes(self) -> None:
-        """Fold the current cache size into ``peak_bytes`` (called after every forward)."""
-        self.peak_bytes = max(self.peak_bytes, self.method.cache_bytes(self.state)["total"])
-
-    def teacher_force(self, agent: str | None, token_ids: list[int]) -> Turn:
-        """Run ``agent``'s turn producing exactly ``token_ids`` (teacher forcing) and return it, with
-        ``turn.logits`` ``[len(token_ids), vocab]``: the fp32 logits each forced token was predicted
-        from. The caches end as after a turn that generated those tokens (the last one pending).
+    def check_room(self, forced: int = 0) -> None:
+        """The trajectory holds a prompt and room for one more token (or ``forced`` more).
 
         Raises:
-            UnknownAdapterError, EmptyRequestError, ContextLengthError: as :meth:`generate`.
+            EmptyRequestError, ContextLengthError.
         """
-        if not token_ids:
-            raise EmptyRequestError("teacher forcing needs at least one token")
-        params = self.validate(agent, {"max_new_tokens": len(token_ids)})
-        if len(self.token_ids) + len(token_ids) > self.engine.max_context:
-            raise ContextLengthError(
-                f"forcing {len(token_ids)} tokens passes the context length {self.engine.max_context}"
-            )
-        for _ in self._turn(agent, params, forced=list(token_ids)):
-            pass
-        return self.last_turn
+        n, limit = len(self.token_ids), self.engine.max_context
+        if not n:
+            raise EmptyRequestError("the trajectory is empty: append a prompt before generating")
+        if n >= limit:
+            raise ContextLengthError(f"the trajectory has {n} tokens, the context length is {limit}")
+        if n + forced > limit:
+            raise ContextLengthError(f"forcing {forced} tokens passes the context length {limit}")
 
-    def _turn(
-        self, agent: str | None, params: SamplingParams, forced: list[int] | None = None
-    ) -> Iterator[StreamChunk]:
-        turn = SteppedTurn(self, agent, params, forced=forced)
+    def _chunks(self, request: Request) -> Iterator[StreamChunk]:
         try:
-            while turn.phase != DONE:
-                plans = turn.plans()
-                step = turn.advance(run_plans(self.engine.model, plans)[0])
-                if step is not None:
-                    yield StreamChunk(*step)
+            while True:
+                self.engine.wait(request, lambda: bool(request.chunks) or request.finished)
+                while request.chunks:
+                    yield request.chunks.popleft()
+                if request.finished:
+                    break
         finally:
-            if turn.phase != DONE:  # the consumer stopped early: close the turn, keep the caches sound
-                turn.finish("cancelled")
-                if turn.post:
-                    run_plans(self.engine.model, turn.post)
-        self.last_turn = Turn(
-            agent,
-            turn.out,
-            self.engine.decode(turn.out),
-            turn.t_first - turn.t_open,
-            turn.t_end - turn.t_first,
-            turn.prefill_tokens,
-            turn.finish_reason,
-            sum(len(p.token_ids) for p in turn.post),
-            turn.t_done - turn.t_end,
-            turn.cached_tokens,
-            turn.first_logits,
-            torch.stack(turn.logits) if forced is not None else None,
-        )
+            if not request.finished:  # the consumer left: close the turn, keep the caches sound
+                self.engine.cancel(request)
+                self.engine.wait(request)
+        request.outcome()
+
+    def _check_idle(self, what: str) -> None:
+        if self.active is not None:
+            raise SessionBusyError(f"cannot {what} session {self.id}: request {self.active.id} runs on it")

@@ -1,23 +1,31 @@
-"""One agent's turn on a session, advanced one forward at a time.
+"""One agent's turn on a session, advanced one forward at a time: the turn protocol, in one place.
 
-:meth:`Session.generate` drives a turn alone (the whole prefill in one forward); the server's
-scheduler interleaves many turns' rows in one batch, with chunked prefill. Both use this class,
-so the turn protocol lives in one place (ARCHITECTURE.md, "The path of a request"):
-``prefill_start`` -> ``begin_turn`` -> prefill plans -> sample -> one-token decode plans ->
-``end_turn``, whose post-turn plans (ReBaseShared LP's neutral pass) run last.
+The engine scheduler (:mod:`precache.engine.scheduler`) holds one :class:`SteppedTurn` per running
+request and puts the rows of every running turn in one forward (ARCHITECTURE.md, "The path of a
+request"): ``prefill_start`` -> ``begin_turn`` -> prefill plans (chunked) -> sample -> one-token
+decode plans -> ``end_turn``, whose post-turn plans (ReBaseShared LP's neutral pass) run last.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 
 import torch
 
 from precache.cache.plan import RowPlan
 from precache.config import SamplingParams
+from precache.engine.request import Turn
 from precache.engine.sampler import sample
 
-PREFILL, DECODE, POST, DONE = "prefill", "decode", "post", "done"
+
+class TurnPhase(enum.Enum):
+    """``PREFILL`` -> ``DECODE`` -> (``POST``: the post-turn pass) -> ``DONE``."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    POST = "post"
+    DONE = "done"
 
 
 class SteppedTurn:
@@ -26,18 +34,19 @@ class SteppedTurn:
 
     Each step: :meth:`plans` gives this turn's rows for the next forward, the caller runs them
     (alone or with other turns' rows), then :meth:`advance` takes the first row's logits
-    ``[vocab]``. ``phase`` goes ``prefill`` -> ``decode`` -> (``post``) -> ``done``.
-    ``cached_tokens`` is the first prefill position (prompt tokens read from the cache);
-    ``forced`` replaces the sampler by these tokens (teacher forcing, logits kept in ``logits``).
-    Times (seconds, ``time.perf_counter``): ``t_open``, ``t_first`` (first token), ``t_end``
-    (turn closed), ``t_done`` (post-turn pass run).
+    ``[vocab]``. ``cached_tokens`` is the first prefill position (prompt tokens read from the
+    cache); ``forced`` replaces the sampler by these tokens (teacher forcing, logits kept in
+    ``logits``). Times (seconds, ``time.perf_counter``): ``t_open``, ``t_first`` (first token),
+    ``t_end`` (turn closed), ``t_done`` (post-turn pass run).
+
+    Raises:
+        EmptyRequestError, ContextLengthError: the trajectory has no prompt or no room left
+            (checked before any cache is touched).
     """
 
-    def __init__(
-        self, session, agent: str | None, params: SamplingParams, codec=None, forced: list[int] | None = None
-    ):
+    def __init__(self, session, agent: str | None, params: SamplingParams, forced: list[int] | None = None):
+        session.check_room(len(forced) if forced else 0)
         self.session, self.agent, self.params = session, agent, params
-        self.codec = codec or session.engine
         self.method, self.forced = session.method, forced
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.budget = min(params.max_new_tokens, session.engine.max_context - len(session.token_ids))
@@ -51,25 +60,32 @@ class SteppedTurn:
         self.t_open = time.perf_counter()
         self.t_first = self.t_end = self.t_done = 0.0
         n, state = len(session.token_ids), session.state
+        self.prompt_tokens = n
+        self.appended = tuple(session.token_ids[session.last_turn_end :])
         if self.method.prefill_start(state, agent) >= n:  # all cached: recompute the last token
             self.method.truncate(state, n - 1)
             del session.authors[n - 1 :]
         self.method.begin_turn(state, agent)
         self.pos = self.cached_tokens = self.method.prefill_start(state, agent)
-        self.phase = PREFILL
+        self.phase = TurnPhase.PREFILL
 
     @property
     def prefill_left(self) -> int:
         """Prompt tokens still to prefill."""
-        return len(self.session.token_ids) - self.pos if self.phase == PREFILL else 0
+        return len(self.session.token_ids) - self.pos if self.phase is TurnPhase.PREFILL else 0
+
+    @property
+    def closed(self) -> bool:
+        """Every token is out (the post-turn pass may still be due)."""
+        return self.phase in (TurnPhase.POST, TurnPhase.DONE)
 
     def plans(self, max_prefill: int | None = None) -> list[RowPlan]:
         """Rows for the next forward: a prefill chunk of at most ``max_prefill`` tokens (None: all;
         at least one), the last sampled token, or the post-turn plans. The first row carries the logits."""
         s = self.session
-        if self.phase == POST:
+        if self.phase is TurnPhase.POST:
             return self.post
-        if self.phase == DECODE:
+        if self.phase is TurnPhase.DECODE:
             pos = len(s.token_ids) - 1
             self._end = pos + 1
             return self.method.plans(s.state, self.agent, [s.token_ids[pos]], pos)
@@ -87,15 +103,15 @@ class SteppedTurn:
         sampled, None otherwise (an inner prefill chunk or the post-turn pass)."""
         s = self.session
         s.note_cache_bytes()
-        if self.phase == POST:
-            self.phase, self.t_done = DONE, time.perf_counter()
+        if self.phase is TurnPhase.POST:
+            self.phase, self.t_done = TurnPhase.DONE, time.perf_counter()
             return None
         s.authors.extend([self.agent] * (self._end - len(s.authors)))
-        if self.phase == PREFILL:
+        if self.phase is TurnPhase.PREFILL:
             self.pos = self._end
             if self.pos < len(s.token_ids):
                 return None
-            self.phase, self.first_logits = DECODE, logits
+            self.phase, self.first_logits = TurnPhase.DECODE, logits
         if self.forced is not None:
             self.logits.append(logits)
             token = self.forced[len(self.out)]
@@ -108,18 +124,48 @@ class SteppedTurn:
         reason = self._stop_reason()
         if reason or len(self.out) >= self.budget:
             self.finish(reason or "length")
-        return token, "" if reason == "eos" else self.codec.decode_piece(self.out)
+        return token, "" if reason == "eos" else s.engine.decode_piece(self.out)
 
     def finish(self, reason: str) -> None:
         """Close the turn now (``reason``: eos, stop, length or cancelled); the tokens so far stay
         in the trajectory. No-op when already closed."""
-        if self.phase not in (PREFILL, DECODE):
+        if self.closed:
             return
         self.finish_reason, self.t_end = reason, time.perf_counter()
         self.post = self.method.end_turn(self.session.state, self.agent, self.session.token_ids)
-        self.phase = POST if self.post else DONE
+        self.session.last_turn_end = len(self.session.token_ids)
+        self.phase = TurnPhase.POST if self.post else TurnPhase.DONE
         if not self.post:
             self.t_done = self.t_end
+
+    def abort(self, reason: str) -> None:
+        """Close the turn and skip its post-turn pass (after a failed forward)."""
+        self.finish(reason)
+        self.post, self.phase = [], TurnPhase.DONE
+        self.t_done = self.t_done or time.perf_counter()
+
+    def record(self) -> Turn:
+        """The turn so far as a :class:`~precache.engine.request.Turn` (its final record once DONE)."""
+        s = self.session
+        t_first = self.t_first or self.t_end
+        return Turn(
+            agent=self.agent,
+            token_ids=list(self.out),
+            text=s.engine.decode(self.out),
+            stop_reason=self.finish_reason or "",
+            ttft_s=max(t_first - self.t_open, 0.0),
+            decode_s=max(self.t_end - t_first, 0.0),
+            prefill_tokens=self.prefill_tokens,
+            neutral_tokens=sum(len(p.token_ids) for p in self.post),
+            neutral_s=max(self.t_done - self.t_end, 0.0),
+            appended=self.appended,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            kv_bytes=s.cache_bytes()["total"],
+            session_id=s.id,
+            first_logits=self.first_logits,
+            logits=torch.stack(self.logits) if self.forced is not None and self.logits else None,
+        )
 
     def _stop_reason(self) -> str | None:
         if self.forced is not None:
@@ -127,7 +173,7 @@ class SteppedTurn:
         if not self.params.ignore_eos and self.out[-1] in self.session.engine.eos_token_ids:
             return "eos"
         if self.params.stop:
-            tail = self.codec.decode(self.out[-16:])
+            tail = self.session.engine.decode(self.out[-16:])
             if any(stop in tail for stop in self.params.stop):
                 return "stop"
         return None

@@ -2,8 +2,8 @@
 ``/v1/chat/completions`` (streamed as server-sent events or not), ``/health`` and ``/metrics``.
 
 The ``model`` field chooses the adapter: the base model's name runs without one, an adapter's
-name runs that agent. Handlers validate, queue a :class:`~precache.server.jobs.Job` on the
-:class:`~precache.server.scheduler.Scheduler` and relay its events.
+name runs that agent. Handlers validate, queue a :class:`~precache.server.jobs.Job` on the server
+loop (:class:`~precache.server.scheduler.Scheduler`, which steps the engine) and relay its events.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from precache.engine.request import StreamChunk, Turn
 from precache.server.codec import Codec
 from precache.server.config import ServerConfig
 from precache.server.errors import APIError, error_body, install_error_handlers
-from precache.server.jobs import DoneEvent, ErrorEvent, Job, TokenEvent
+from precache.server.jobs import ErrorEvent, Job
 from precache.server.metrics import ServerMetrics
 from precache.server.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -47,7 +48,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     if config.model_name in engine.adapters:
         raise ValueError(f"the base model name '{config.model_name}' is also an adapter name")
     codec, metrics = Codec(engine), ServerMetrics()
-    scheduler = Scheduler(engine, config, metrics, codec)
+    scheduler = Scheduler(engine, config, metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -143,7 +144,7 @@ class _Api:
             if first is not None:
                 yield sse(first)
             async for event in job.events():
-                if isinstance(event, TokenEvent):
+                if isinstance(event, StreamChunk):
                     text = trimmer.feed(event.text)
                     if text:
                         yield sse(renderer.chunk(text))
@@ -166,10 +167,10 @@ class _Api:
     async def _complete(self, job: Job, renderer: Renderer, request: Request):
         """Wait for the whole answer; a client that leaves first cancels the job."""
 
-        async def collect() -> tuple[str, DoneEvent | ErrorEvent]:
+        async def collect() -> tuple[str, Turn | ErrorEvent]:
             trimmer, parts = StopTrimmer(job.params.stop), []
             async for event in job.events():
-                if isinstance(event, TokenEvent):
+                if isinstance(event, StreamChunk):
                     parts.append(trimmer.feed(event.text))
                 else:
                     return "".join(parts) + trimmer.flush(), event

@@ -1,13 +1,13 @@
 """Text <-> token ids for the server, safe to call from the event loop and the scheduler thread.
 
 HF fast tokenizers are Rust objects that may refuse concurrent use from two threads ("Already
-borrowed"), so every call goes through one lock; each call takes microseconds.
+borrowed"), so every call goes through the engine's tokenizer lock (the server loop decodes under
+it too); each call takes microseconds.
 """
 
 from __future__ import annotations
 
-import threading
-
+from precache.engine.engine import TOKENIZER_LOCK
 from precache.server.errors import APIError
 
 
@@ -18,7 +18,7 @@ class Codec:
     def __init__(self, engine):
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self._lock = threading.Lock()
+        self._lock = TOKENIZER_LOCK
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without special tokens added.

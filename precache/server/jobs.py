@@ -1,7 +1,9 @@
-"""A generation request as the scheduler sees it, and the events it sends back to the HTTP handler.
+"""An HTTP generation request as the server loop sees it, and the events it sends back to the handler.
 
-The scheduler thread calls :meth:`Job.emit`; the handler awaits :meth:`Job.events` on the event
-loop. The hand-over is ``loop.call_soon_threadsafe`` into an ``asyncio.Queue``.
+The server loop (:mod:`precache.server.scheduler`) calls :meth:`Job.emit`; the handler awaits
+:meth:`Job.events` on the event loop. The hand-over is ``loop.call_soon_threadsafe`` into an
+``asyncio.Queue``. Events: each sampled token (:class:`~precache.engine.request.StreamChunk`), then
+the finished :class:`~precache.engine.request.Turn` or an :class:`ErrorEvent`.
 """
 
 from __future__ import annotations
@@ -14,29 +16,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from precache.config import SamplingParams
+from precache.engine.request import StreamChunk, Turn
 
 _ids = itertools.count()
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """A sampled token and the text it adds ("" for an end-of-sequence token)."""
-
-    token_id: int
-    text: str
-
-
-@dataclass(frozen=True)
-class DoneEvent:
-    """The turn is over. ``finish_reason``: ``"stop"`` (EOS or a stop string) or ``"length"``;
-    token counts in tokens; ``cached_tokens``: prompt tokens read from the cache, not prefilled."""
-
-    finish_reason: str
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    session_id: str
-    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -48,7 +30,12 @@ class ErrorEvent:
     code: str | None = None
 
 
-Event = TokenEvent | DoneEvent | ErrorEvent
+Event = StreamChunk | Turn | ErrorEvent
+
+
+def finish_reason(turn: Turn) -> str:
+    """The OpenAI ``finish_reason`` of a turn: ``"length"``, else ``"stop"`` (EOS or a stop string)."""
+    return "length" if turn.stop_reason == "length" else "stop"
 
 
 @dataclass
@@ -82,9 +69,9 @@ class Job:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
     async def events(self) -> AsyncIterator[Event]:
-        """Events until (and with) the final :class:`DoneEvent` or :class:`ErrorEvent`."""
+        """Events until (and with) the final :class:`Turn` or :class:`ErrorEvent`."""
         while True:
             event = await self.queue.get()
             yield event
-            if not isinstance(event, TokenEvent):
+            if not isinstance(event, StreamChunk):
                 return

@@ -7,7 +7,8 @@ import json
 import time
 import uuid
 
-from precache.server.jobs import DoneEvent
+from precache.engine.request import Turn
+from precache.server.jobs import finish_reason
 
 
 def sse(obj: dict | str) -> str:
@@ -15,13 +16,13 @@ def sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-def usage(done: DoneEvent) -> dict:
+def usage(turn: Turn) -> dict:
     """Token counts, with ``prompt_tokens_details.cached_tokens`` = prompt tokens served from the cache."""
     return {
-        "prompt_tokens": done.prompt_tokens,
-        "completion_tokens": done.completion_tokens,
-        "total_tokens": done.prompt_tokens + done.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+        "prompt_tokens": turn.prompt_tokens,
+        "completion_tokens": turn.new_tokens,
+        "total_tokens": turn.prompt_tokens + turn.new_tokens,
+        "prompt_tokens_details": {"cached_tokens": turn.cached_tokens},
     }
 
 
@@ -53,12 +54,12 @@ class Renderer:
         choice.update(logprobs=None, finish_reason=finish_reason)
         return choice
 
-    def body(self, text: str, done: DoneEvent) -> dict:
+    def body(self, text: str, turn: Turn) -> dict:
         """The whole (non-streamed) response."""
-        choice = self._choice(text, done.finish_reason, chunk=False)
+        choice = self._choice(text, finish_reason(turn), chunk=False)
         if self.return_token_ids:
-            choice["token_ids"] = list(done.token_ids)
-        out = {**self._head(False), "choices": [choice], "usage": usage(done), "session_id": done.session_id}
+            choice["token_ids"] = list(turn.token_ids)
+        out = {**self._head(False), "choices": [choice], "usage": usage(turn), "session_id": turn.session_id}
         if self.return_token_ids:
             out["prompt_token_ids"] = self.prompt_ids
         return out
@@ -78,17 +79,17 @@ class Renderer:
     def chunk(self, text: str) -> dict:
         return {**self._head(True), "choices": [self._choice(text, None, chunk=True)]}
 
-    def last_chunk(self, done: DoneEvent) -> dict:
+    def last_chunk(self, turn: Turn) -> dict:
         """The chunk with the finish reason, the session id (our extension) and, when asked for,
         every output token id."""
-        choice = self._choice(None if self.kind == "chat" else "", done.finish_reason, chunk=True)
+        choice = self._choice(None if self.kind == "chat" else "", finish_reason(turn), chunk=True)
         if self.return_token_ids:
-            choice["token_ids"] = list(done.token_ids)
-        return {**self._head(True), "choices": [choice], "session_id": done.session_id}
+            choice["token_ids"] = list(turn.token_ids)
+        return {**self._head(True), "choices": [choice], "session_id": turn.session_id}
 
-    def usage_chunk(self, done: DoneEvent) -> dict:
+    def usage_chunk(self, turn: Turn) -> dict:
         """``stream_options.include_usage``: a last chunk with no choices and the usage."""
-        return {**self._head(True), "choices": [], "usage": usage(done)}
+        return {**self._head(True), "choices": [], "usage": usage(turn)}
 
 
 class StopTrimmer:

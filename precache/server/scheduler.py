@@ -1,9 +1,10 @@
-"""Continuous batching: a background thread that, each step, runs the prefill chunks and decode
-tokens of every active request (different sessions, different adapters) as ONE mixed-adapter
-forward (:func:`~precache.cache.plan.run_plans`), samples per request and streams tokens out.
+"""The server loop: one background thread that turns HTTP jobs into engine requests, calls
+:meth:`Engine.step` (continuous batching lives in :mod:`precache.engine.scheduler`), relays each
+request's tokens and final turn to its handler, and maps typed errors to HTTP status codes.
 
-ReBaseShared DB's adapter-free row comes from ``method.plans`` and so rides in the same batch;
-LP's post-turn neutral pass joins a later batch, after the answer went out (outside TTFT).
+It owns the sessions (:class:`SessionPool`): claiming, syncing and releasing them happens on this
+thread, between steps. A turn's answer goes out when the turn closes; its session is released once
+the post-turn pass (ReBaseShared LP's neutral prefill, in a later forward) ran.
 """
 
 from __future__ import annotations
@@ -16,40 +17,53 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 
-from precache.cache.plan import run_plans
-from precache.engine.turn import DECODE, DONE, POST, PREFILL, SteppedTurn
-from precache.errors import PrecacheError
+from precache.engine.request import Request, RequestState
+from precache.engine.scheduler import SchedulerConfig
+from precache.errors import CacheCapacityError, OutOfBlocksError, PrecacheError, RequestCancelledError
 from precache.server.config import ServerConfig
 from precache.server.errors import APIError
-from precache.server.jobs import DoneEvent, ErrorEvent, Job, TokenEvent
+from precache.server.jobs import ErrorEvent, Job, finish_reason
 from precache.server.metrics import ServerMetrics
 from precache.server.sessions import Claim, SessionPool
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+def error_status(exc: BaseException) -> tuple[int, str, str]:
+    """``(HTTP status, message, code)`` of an error below ``server/``: bad input is 400, a pool
+    that is full right now 503, anything else (a bug) 500."""
+    if isinstance(exc, OutOfBlocksError | RequestCancelledError):
+        return 503, str(exc), "unavailable"
+    if isinstance(exc, CacheCapacityError):
+        return 400, str(exc), "cache_capacity"
+    if isinstance(exc, PrecacheError):
+        return 400, str(exc), "invalid_request"
+    return 500, f"internal error: {type(exc).__name__}", "internal_error"
+
+
+@dataclass(eq=False)
 class _Active:
     job: Job
     claim: Claim
-    turn: SteppedTurn
+    request: Request
     first_token_s: float | None = None
-    reported: bool = False  # the DoneEvent went out (or the client left: nothing to send)
+    reported: bool = False  # the final event went out (or the client left: nothing to send)
 
 
 class Scheduler:
-    """Owns the sessions (:class:`SessionPool`) and the only thread that touches caches or the model.
+    """The server's side of the engine scheduler, and the only thread that steps the engine.
 
     Handlers talk to it through a thread-safe inbox: :meth:`submit`, :meth:`cancel` and
     :meth:`call` (run a function on the pool between steps, e.g. integrity checks).
     """
 
-    def __init__(self, engine, config: ServerConfig, metrics: ServerMetrics, codec):
-        self.engine, self.config, self.metrics, self.codec = engine, config, metrics, codec
+    def __init__(self, engine, config: ServerConfig, metrics: ServerMetrics):
+        self.engine, self.config, self.metrics = engine, config, metrics
+        engine.scheduler.config = SchedulerConfig(config.max_running, config.max_step_tokens)
         self.pool = SessionPool(engine, config.max_cache_bytes, config.min_fork_tokens)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._waiting: list[Job] = []
-        self._running: list[_Active] = []
+        self._pending: list[Job] = []  # waiting for their conversation's session
+        self._active: list[_Active] = []  # with an engine request, until its session is released
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -59,7 +73,7 @@ class Scheduler:
         return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="precache-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="precache-server-loop", daemon=True)
         self._thread.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -70,39 +84,42 @@ class Scheduler:
             self._thread.join(timeout_s)
 
     def load(self) -> tuple[int, int]:
-        """``(running, waiting)`` requests (exact when called through :meth:`call`)."""
-        return len(self._running), len(self._waiting)
+        """``(active, pending)`` jobs: with an engine request (post-turn passes included), or waiting
+        for their session (exact when called through :meth:`call`)."""
+        return len(self._active), len(self._pending)
 
     def submit(self, job: Job) -> None:
-        """Queue ``job`` (bound to an event loop). Raises APIError 503 when the scheduler is down."""
+        """Queue ``job`` (bound to an event loop). Raises APIError 503 when the loop is down."""
         if not self.alive:
             raise APIError(503, "the scheduler is not running", code="unavailable")
         self._inbox.put(("submit", job))
 
     def cancel(self, job_id: int) -> None:
-        """Drop a job (client gone): a running turn closes at once and its session is freed."""
+        """Drop a job (client gone): a running turn closes at its next step and its session is freed."""
         self._inbox.put(("cancel", job_id))
 
     def call(self, fn: Callable[[SessionPool], object]) -> Future:
-        """Run ``fn(pool)`` on the scheduler thread between two steps; its result lands in the future."""
+        """Run ``fn(pool)`` on the loop thread between two steps; its result lands in the future."""
         future: Future = Future()
         self._inbox.put(("call", (fn, future)))
         return future
 
-    # -- the scheduler thread ----------------------------------------------------------------
+    # -- the loop thread -------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopping.is_set():
             try:
-                self._retire()
                 self._admit()
-                if self._running:
-                    self._step()
-                self._drain(block=not self._running)
-            except Exception:  # a bug must not kill the server: fail the batch, keep serving
-                logger.exception("scheduler step failed")
-                for active in list(self._running):
-                    self._fail(active, 500, "internal error in the scheduler")
-        for job in [*self._waiting, *(a.job for a in self._running)]:
+                if self.engine.scheduler.has_work:
+                    batch = self.engine.step()
+                    if batch.requests:
+                        self.metrics.batch_requests.observe(len(batch.requests))
+                self._relay()
+                self._drain(block=not self._active and not self._pending)
+            except Exception:  # a bug must not kill the server: fail what runs, keep serving
+                logger.exception("server loop step failed")
+                for active in list(self._active):
+                    self._fail(active, 500, "internal error in the scheduler", "internal_error")
+        for job in [*self._pending, *(a.job for a in self._active)]:
             job.emit(ErrorEvent(503, "the server is shutting down", "unavailable"))
 
     def _drain(self, block: bool) -> None:
@@ -113,7 +130,7 @@ class Scheduler:
         while msg is not None:
             kind, arg = msg
             if kind == "submit":
-                self._waiting.append(arg)
+                self._pending.append(arg)
             elif kind == "cancel":
                 self._cancel(arg)
             else:
@@ -128,127 +145,89 @@ class Scheduler:
                 return
 
     def _cancel(self, job_id: int) -> None:
-        self._waiting = [j for j in self._waiting if j.id != job_id]
-        for active in self._running:
+        self._pending = [j for j in self._pending if j.id != job_id]
+        for active in self._active:
             if active.job.id == job_id and not active.reported:
                 active.reported = True
-                active.turn.finish("cancelled")
+                self.engine.cancel(active.request)
                 self.metrics.requests.labels("cancelled").inc()
 
     def _admit(self) -> None:
-        waiting: list[Job] = []
-        for job in self._waiting:
-            if len(self._running) >= self.config.max_running:
-                waiting.append(job)
-                continue
+        """Claim each pending job's session and submit its turn to the engine (a job whose
+        conversation's session is busy waits for it)."""
+        pending: list[Job] = []
+        for job in self._pending:
             try:
                 claim = self.pool.acquire(job.prompt_ids, job.session_id)
             except PrecacheError as exc:
-                job.emit(ErrorEvent(400, str(exc), "invalid_request"))
+                job.emit(ErrorEvent(*error_status(exc)))
                 continue
-            if claim is None:  # its conversation's session is busy: run after it
-                waiting.append(job)
+            if claim is None:
+                pending.append(job)
                 continue
-            session = claim.entry.session
             try:
-                params = session.validate(job.agent, asdict(job.params))
-                turn = SteppedTurn(session, job.agent, params, self.codec)
+                request = claim.entry.session.submit(job.agent, **asdict(job.params))
             except PrecacheError as exc:
                 self.pool.release(claim.entry)
-                job.emit(ErrorEvent(400, str(exc), "invalid_request"))
+                job.emit(ErrorEvent(*error_status(exc)))
                 continue
-            except Exception:
-                logger.exception("opening a turn failed for request %d", job.id)
-                self.pool.discard(claim.entry)
-                job.emit(ErrorEvent(500, "opening the turn failed", "internal_error"))
+            self._active.append(_Active(job, claim, request))
+        self._pending = pending
+        self.metrics.waiting.set(len(pending) + len(self.engine.scheduler.waiting))
+
+    def _relay(self) -> None:
+        """Send each request's new tokens and, once its turn closed, the turn; release the sessions
+        of finished requests; evict idle sessions over the budget."""
+        for active in list(self._active):
+            request = active.request
+            while request.chunks:
+                chunk = request.chunks.popleft()
+                if active.reported:
+                    continue
+                if active.first_token_s is None:
+                    active.first_token_s = time.perf_counter()
+                    self.metrics.ttft.labels(active.job.model).observe(
+                        active.first_token_s - active.job.arrival
+                    )
+                active.job.emit(chunk)
+            if request.state is RequestState.FAILED and request.turn is None:  # refused before it ran
+                self._active.remove(active)
+                self.pool.release(active.claim.entry)
+                active.job.emit(ErrorEvent(*error_status(request.error)))
                 continue
-            self._running.append(_Active(job, claim, turn))
-        self._waiting = waiting
-        self.metrics.waiting.set(len(waiting))
-        self.metrics.running.set(len(self._running))
-
-    def _collect(self) -> list[tuple[_Active, list]]:
-        """This step's rows: every decode token and post-turn pass, then prefill chunks in arrival
-        order within ``max_step_tokens``."""
-        batch = [(a, a.turn.plans(0)) for a in self._running if a.turn.phase in (DECODE, POST)]
-        budget = self.config.max_step_tokens
-        for a in self._running:
-            if a.turn.phase == PREFILL and budget > 0:
-                take = min(budget, a.turn.prefill_left)
-                batch.append((a, a.turn.plans(take)))
-                budget -= take
-        return batch
-
-    def _step(self) -> None:
-        batch = self._collect()
-        self.metrics.batch_requests.observe(len(batch))
-        try:
-            logits = run_plans(self.engine.model, [p for _, plans in batch for p in plans])
-        except Exception:
-            logger.exception("a batched forward failed; failing its %d requests", len(batch))
-            for active, _ in batch:
-                self._fail(active, 500, "the model forward failed")
-            return
-        i = 0
-        for active, plans in batch:
-            self._advance(active, logits[i])
-            i += len(plans)
-            s = active.claim.entry.session
-            s.peak_bytes = max(s.peak_bytes, s.cache_bytes()["total"])
-        self._retire()
-        self.metrics.running.set(len(self._running))
+            if request.state is RequestState.FAILED:
+                self._fail(active, *error_status(request.error))
+            elif request.closed and not active.reported:
+                self._report(active)
+            if request.finished and request.state is not RequestState.FAILED:
+                self._active.remove(active)
+                self.pool.release(active.claim.entry)
+        self.metrics.running.set(len(self.engine.scheduler.running))
         self.pool.evict()
         self.metrics.cache_bytes.set(self.pool.total_bytes())
         self.metrics.sessions.set(len(self.pool))
 
-    def _advance(self, active: _Active, logits) -> None:
-        try:
-            sampled = active.turn.advance(logits)
-        except Exception:
-            logger.exception("sampling failed for request %d", active.job.id)
-            self._fail(active, 500, "sampling failed")
-            return
-        if sampled is not None and not active.reported:
-            if active.first_token_s is None:
-                active.first_token_s = time.perf_counter()
-                self.metrics.ttft.labels(active.job.model).observe(active.first_token_s - active.job.arrival)
-            active.job.emit(TokenEvent(*sampled))
-        if active.turn.phase in (POST, DONE) and not active.reported:
-            self._report(active)
-
     def _report(self, active: _Active) -> None:
         active.reported = True
-        job, turn = active.job, active.turn
-        reason = "length" if turn.finish_reason == "length" else "stop"
-        done = DoneEvent(
-            reason,
-            len(job.prompt_ids),
-            turn.cached_tokens,
-            len(turn.out),
-            active.claim.entry.sid,
-            tuple(turn.out),
-        )
+        job, request = active.job, active.request
+        turn = request.result if request.result is not None else request.turn.record()
         self.metrics.finished(
             job.model,
             time.perf_counter() - job.arrival,
-            done.prompt_tokens,
-            done.cached_tokens,
-            done.completion_tokens,
-            reason,
+            turn.prompt_tokens,
+            turn.cached_tokens,
+            turn.new_tokens,
+            finish_reason(turn),
         )
-        job.emit(done)
+        job.emit(turn)
 
-    def _retire(self) -> None:
-        """Free the sessions of finished turns (after their post-turn pass ran)."""
-        for active in [a for a in self._running if a.turn.phase == DONE]:
-            self._running.remove(active)
-            self.pool.release(active.claim.entry)
-
-    def _fail(self, active: _Active, status: int, message: str) -> None:
+    def _fail(self, active: _Active, status: int, message: str, code: str) -> None:
         if not active.reported:
             active.reported = True
-            active.job.emit(ErrorEvent(status, message, "internal_error"))
+            active.job.emit(ErrorEvent(status, message, code))
             self.metrics.requests.labels("error").inc()
-        if active in self._running:
-            self._running.remove(active)
+        if active in self._active:
+            self._active.remove(active)
+        if not active.request.finished:
+            self.engine.cancel(active.request)
         self.pool.discard(active.claim.entry)  # its caches may be half-written

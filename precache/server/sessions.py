@@ -7,9 +7,7 @@ two threads.
 
 from __future__ import annotations
 
-import copy
 import logging
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -46,17 +44,6 @@ class Claim:
     common: int
 
 
-def fork_session(session: Session, length: int) -> Session:
-    """A new session of the same engine holding a copy of ``session``'s caches and trajectory over
-    its first ``length`` tokens. Only between turns (the source must have no open turn)."""
-    child = session.engine.session()
-    child.state = copy.deepcopy(session.state)
-    child.method.truncate(child.state, length)
-    child.token_ids = list(session.token_ids[:length])
-    child.authors = list(session.authors[:length])
-    return child
-
-
 class SessionPool:
     """Sessions by id with a :class:`TokenTrie` over their trajectories.
 
@@ -66,8 +53,8 @@ class SessionPool:
        ``anchor``) is taken, whatever adapter wrote it; if it is busy the request waits (None),
        so a conversation's requests run one after the other on one cache;
     2. otherwise, when a free session shares at least ``min_fork_tokens`` tokens (a common system
-       prompt, a branch), its prefix is copied into a new session (:func:`fork_session`), so one
-       conversation never cuts another's cache;
+       prompt, a branch), its prefix goes into a new session (:meth:`Session.fork`: the blocks are
+       shared, not copied), so one conversation never cuts another's cache;
     3. otherwise a new, empty session: unrelated conversations share nothing.
 
     The taken session is synced to the prompt (:meth:`Session.sync` cuts every cache back to the
@@ -86,7 +73,7 @@ class SessionPool:
     def acquire(self, prompt_ids: list[int], session_id: str | None = None) -> Claim | None:
         """Claim a session for ``prompt_ids`` and sync it to them; None: wait, the session is busy."""
         if session_id is not None:
-            entry = self.entries.get(session_id) or self._add(session_id, self.engine.session())
+            entry = self.entries.get(session_id) or self._add(Session(self.engine, id=session_id))
             return None if entry.busy else self._claim(entry, prompt_ids, "pinned")
         fork_from: tuple[PooledSession, int] | None = None
         for sid, common in self.trie.match(prompt_ids):
@@ -97,9 +84,9 @@ class SessionPool:
                 fork_from = (entry, common)
         if fork_from is not None:
             parent, common = fork_from
-            child = self._add(uuid.uuid4().hex, fork_session(parent.session, common))
+            child = self._add(parent.session.fork(common))
             return self._claim(child, prompt_ids, "fork")
-        return self._claim(self._add(uuid.uuid4().hex, self.engine.session()), prompt_ids, "new")
+        return self._claim(self._add(self.engine.session()), prompt_ids, "new")
 
     def release(self, entry: PooledSession) -> None:
         """The request on ``entry`` is over: index its whole trajectory and make it reusable."""
@@ -134,9 +121,9 @@ class SessionPool:
             logger.debug("evicted %d idle sessions; %d cache bytes held", dropped, total)
         return dropped
 
-    def _add(self, sid: str, session: Session) -> PooledSession:
-        entry = PooledSession(sid, session)
-        self.entries[sid] = entry
+    def _add(self, session: Session) -> PooledSession:
+        entry = PooledSession(session.id, session)
+        self.entries[session.id] = entry
         return entry
 
     def _claim(self, entry: PooledSession, prompt_ids: list[int], how: str) -> Claim:
