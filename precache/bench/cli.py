@@ -92,7 +92,13 @@ def _fidelity(args: argparse.Namespace) -> int:
     questions = load_questions(args.split)[: args.limit]
     model = precache.load_model(args.model)
     engines = {m: precache.Engine(model, adapters=adapters, method=m) for m in methods}
-    result = run_fidelity(engines, questions, max_steps=args.max_steps, max_new_tokens=args.max_new_tokens)
+    result = run_fidelity(
+        engines,
+        questions,
+        concurrency=args.concurrency,
+        max_steps=args.max_steps,
+        max_new_tokens=args.max_new_tokens,
+    )
     result["config"] = {k: v for k, v in vars(args).items() if k != "func"}
     report.write_json(result, args.json)
     Console().print(report.fidelity_table(result))
@@ -144,5 +150,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     fidelity.add_argument("--max-steps", type=int, default=8, help="plan steps per episode")
     fidelity.add_argument("--max-new-tokens", type=int, default=64, help="tokens per agent turn")
     fidelity.add_argument("--plot-dir", help="folder for layer_error.png and kl_per_turn.png")
+    fidelity.add_argument(
+        "--concurrency", type=int, default=1, help="questions run at once, their forwards batched per engine"
+    )
     _common(fidelity, ",".join(METHODS))
     fidelity.set_defaults(func=_fidelity)

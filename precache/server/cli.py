@@ -79,7 +79,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     adapters = adapters_from_args(args)
     model = load_model_from_args(args)
-    engine = precache.Engine(model, adapters=adapters, method=args.method)
+    engine = precache.Engine(model, adapters=adapters, method=args.method, kv_cache_bytes=args.kv_cache_bytes)
     config = ServerConfig(
         model_name=served_model_name(args, model),
         max_cache_bytes=args.max_cache_bytes,
@@ -108,7 +108,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None, help="API id of the base model")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-cache-bytes", type=int, default=2 * 1024**3, help="cache budget over all sessions")
+    p.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help="KV block pool, allocated once (default: n_agents + 2 caches at the context length)",
+    )
+    p.add_argument(
+        "--max-cache-bytes",
+        type=int,
+        default=2 * 1024**3,
+        help="budget of the sessions' caches; idle sessions past it are evicted, least recently used first",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests batched at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill tokens per forward")
     p.set_defaults(func=_serve)

@@ -1,10 +1,12 @@
 """A token-id trie over cached trajectories: which sessions share how long a prefix with a prompt.
 
-Plain Python, no torch: the server's cross-adapter prefix reuse asks it, for a request's prompt,
+Plain Python, no tensors: the server's cross-adapter prefix reuse asks it, for a request's prompt,
 every session whose trajectory starts with the same tokens, whatever adapter wrote them.
 """
 
 from __future__ import annotations
+
+from precache.engine.session import common_prefix
 
 
 class _Node:
@@ -38,7 +40,7 @@ class TokenTrie:
         """Store ``token_ids`` as the trajectory of ``key``, replacing what it had."""
         old = self._paths.get(key, [])
         new = [int(t) for t in token_ids]
-        common = _common_prefix(old, new)
+        common = common_prefix(old, new)
         node = self._root
         node.owners.add(key)
         for t in new[:common]:
@@ -82,12 +84,3 @@ class TokenTrie:
                 del node.children[t]  # the rest of the tail belonged to ``key`` alone
                 return
             node = child
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
