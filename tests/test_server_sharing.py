@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+import precache
 from precache.methods import METHODS
 from tests.test_server_support import check_all_sessions, live, tiny_engine
 
@@ -160,3 +161,33 @@ def _histogram(text: str, name: str) -> dict[str, float]:
             if line.startswith(f"{name}_{part} "):
                 out[part] = float(line.split()[1])
     return out
+
+
+def test_a_full_block_pool_drops_idle_sessions_and_retries(tiny):
+    model, dirs, _ = tiny
+    probe = tiny_engine(tiny, "prelrshared")
+    engine = precache.Engine(
+        probe.model, adapters=dirs, method="prelrshared", kv_cache_bytes=7 * probe.pool.block_bytes
+    )
+    prompts = [[(5 * k + i) % 90 + 3 for i in range(30)] for k in range(4)]  # 30 + 4 tokens: 3 blocks each
+    with live(engine, max_cache_bytes=None) as (server, client):
+        out = [
+            client.completions.create(
+                model="plan", prompt=p, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+            )
+            for p in prompts
+        ]
+        sessions = check_all_sessions(server)
+        metrics = httpx.get(server.url[:-3] + "/metrics").text
+    assert [r.usage.completion_tokens for r in out] == [4] * 4  # every request answered
+    assert sessions == 2  # two trajectories fit the pool: older idle ones were dropped for the rest
+    assert 'precache_requests_total{outcome="error"}' not in metrics
+    want = _offline_single(tiny, prompts[-1])
+    assert out[-1].choices[0].text == want
+
+
+def _offline_single(tiny, prompt: list[int]) -> str:
+    engine = tiny_engine(tiny, "prelrshared")
+    s = engine.session()
+    s.append(prompt)
+    return engine.decode(s.generate("plan", max_new_tokens=4, ignore_eos=True).token_ids)

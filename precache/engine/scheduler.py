@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from precache.engine.request import Request, RequestState, StreamChunk
 from precache.engine.turn import SteppedTurn, TurnPhase
-from precache.errors import OutOfBlocksError
+from precache.errors import OutOfBlocksError, PrecacheError
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +202,12 @@ class Scheduler:
         try:
             logits = self.forward([p for plans in batch.plans for p in plans])
         except Exception as exc:
-            logger.exception("a batched forward failed; failing its %d requests", len(batch.requests))
+            if isinstance(exc, PrecacheError):  # e.g. the block pool is full: the requests say why
+                logger.warning(
+                    "a batched forward failed (%s); failing its %d requests", exc, len(batch.requests)
+                )
+            else:
+                logger.exception("a batched forward failed; failing its %d requests", len(batch.requests))
             for r in batch.requests:
                 self._fail(r, exc, batch)
             return

@@ -190,16 +190,12 @@ class Scheduler:
                         active.first_token_s - active.job.arrival
                     )
                 active.job.emit(chunk)
-            if request.state is RequestState.FAILED and request.turn is None:  # refused before it ran
-                self._active.remove(active)
-                self.pool.release(active.claim.entry)
-                active.job.emit(ErrorEvent(*error_status(request.error)))
-                continue
             if request.state is RequestState.FAILED:
-                self._fail(active, *error_status(request.error))
-            elif request.closed and not active.reported:
+                self._failed(active)
+                continue
+            if request.closed and not active.reported:
                 self._report(active)
-            if request.finished and request.state is not RequestState.FAILED:
+            if request.finished:
                 self._active.remove(active)
                 self.pool.release(active.claim.entry)
         self.metrics.running.set(len(self.engine.scheduler.running))
@@ -221,11 +217,29 @@ class Scheduler:
         )
         job.emit(turn)
 
-    def _fail(self, active: _Active, status: int, message: str, code: str) -> None:
+    def _failed(self, active: _Active) -> None:
+        """The engine failed ``active``'s request. A full block pool (nothing streamed yet) evicts the
+        least recently used idle session and queues the job again; other errors go to the client."""
+        request = active.request
+        self._active.remove(active)
+        if request.turn is None:  # refused before its turn opened: the caches are untouched
+            self.pool.release(active.claim.entry)
+        else:
+            self.pool.discard(active.claim.entry)  # its caches may be half-written
+        retry = isinstance(request.error, OutOfBlocksError) and active.first_token_s is None
+        if retry and not active.reported and self.pool.drop_idle():
+            self._pending.insert(0, active.job)
+            return
+        self._send_error(active, *error_status(request.error))
+
+    def _send_error(self, active: _Active, status: int, message: str, code: str) -> None:
         if not active.reported:
             active.reported = True
             active.job.emit(ErrorEvent(status, message, code))
             self.metrics.requests.labels("error").inc()
+
+    def _fail(self, active: _Active, status: int, message: str, code: str) -> None:
+        self._send_error(active, status, message, code)
         if active in self._active:
             self._active.remove(active)
         if not active.request.finished:

@@ -121,6 +121,16 @@ class SessionPool:
             logger.debug("evicted %d idle sessions; %d cache bytes held", dropped, total)
         return dropped
 
+    def drop_idle(self) -> bool:
+        """Drop the least recently used idle session (its cache blocks go back to the engine's pool);
+        False when every session is busy."""
+        for sid, entry in self.entries.items():
+            if not entry.busy:
+                self.discard(entry)
+                logger.debug("dropped idle session %s to free cache blocks", sid)
+                return True
+        return False
+
     def _add(self, session: Session) -> PooledSession:
         entry = PooledSession(session.id, session)
         self.entries[session.id] = entry
