@@ -46,6 +46,26 @@ def test_evaluate_em_f1_agreement():
     assert result["episodes"][0]["trajectory"].endswith("Action: Finish[Badr Hari]\nReflect[right]")
 
 
+def test_evaluate_with_concurrency_keeps_the_question_order():
+    question = get_question(QID)
+    questions = [question] * 5
+    scripts = {"Badr Hari": 0, "Peter Aerts": 0}
+
+    def session(answer):
+        def make():
+            scripts[answer] += 1
+            return FakeSession(_script(answer))
+
+        return make
+
+    one = evaluate(session("Badr Hari"), questions, reference_session=session("Peter Aerts"))
+    four = evaluate(session("Badr Hari"), questions, reference_session=session("Peter Aerts"), concurrency=4)
+    assert scripts == {"Badr Hari": 10, "Peter Aerts": 10}  # one fresh session per question and run
+    assert four["summary"] == one["summary"] and four["summary"]["agreement"] == 0.0
+    assert [e["answer"] for e in four["episodes"]] == ["Badr Hari"] * 5
+    assert [e["answer"] for e in four["reference_episodes"]] == ["Peter Aerts"] * 5
+
+
 def test_summarize_rejects_mismatched_reference():
     with pytest.raises(ValueError, match="other questions"):
         summarize([Episode(question_id="a")], [Episode(question_id="b")])
@@ -144,6 +164,10 @@ def test_cli_registers_commands():
         ["eval", "--split", "dev", "--method", "nonshared", "--limit", "3", "--json", "x"]
     )
     assert (args.method, args.limit, args.adapters, args.func.__name__) == ("nonshared", 3, "qv", "_eval")
+    assert args.concurrency == 1
+    assert parser.parse_args(["eval", "--json", "x", "--concurrency", "4"]).concurrency == 4
+    with pytest.raises(SystemExit):
+        parser.parse_args(["eval", "--json", "x", "--concurrency", "0"])
     args = parser.parse_args(["run", "--question", QID, "--adapters", "all"])
     assert (args.method, args.adapters, args.func.__name__) == ("prelrshared", "all", "_run")
     check = parser.parse_args(["adapters", "check", "--set", "qv", "all"])
