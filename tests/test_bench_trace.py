@@ -116,7 +116,9 @@ def test_replay_kv_bytes(tiny, smoke, replays):
     per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4  # K and V, fp32
     full = replays["fullshared"]
     bs = 16  # the default block size: bytes are counted for whole allocated blocks
-    assert full.turns[-1].kv_bytes == full.peak_kv_bytes == -(-(trace.total_tokens - 1) // bs) * bs * per_token
+    assert (
+        full.turns[-1].kv_bytes == full.peak_kv_bytes == -(-(trace.total_tokens - 1) // bs) * bs * per_token
+    )
     # three agents, each with its own full cache over what it has read
     assert replays["nonshared"].peak_kv_bytes > 2 * full.peak_kv_bytes
     assert full.peak_kv_bytes < replays["prelrshared"].peak_kv_bytes < replays["nonshared"].peak_kv_bytes
