@@ -51,7 +51,8 @@ class _Active:
 
 
 class Scheduler:
-    """The server's side of the engine scheduler, and the only thread that steps the engine.
+    """The server's side of the engine scheduler, and the only thread that steps the engine (whose
+    batching limits it sets from ``config.max_running`` and ``config.max_step_tokens``).
 
     Handlers talk to it through a thread-safe inbox: :meth:`submit`, :meth:`cancel` and
     :meth:`call` (run a function on the pool between steps, e.g. integrity checks).
