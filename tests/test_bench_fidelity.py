@@ -31,7 +31,7 @@ def record(engine, script, seed: int = 5) -> list[Turn]:
 
 
 def compare(model, dirs, script):
-    engines = {m: make_engine(model, dirs, m) for m in METHODS}
+    engines = {m: make_engine(model, dirs, m, prefix_caching=False) for m in METHODS}
     return compare_trajectory(engines, record(engines["nonshared"], script))
 
 
@@ -43,7 +43,7 @@ def results(tiny):
 
 def test_recording_session_records_the_trajectory(tiny):
     model, dirs, _ = tiny
-    engine = make_engine(model, dirs, "nonshared")
+    engine = make_engine(model, dirs, "nonshared", prefix_caching=False)
     turns = record(engine, SCRIPT)
     assert [(t.agent, len(t.appended), len(t.token_ids)) for t in turns] == [(a, n, g) for a, n, g in SCRIPT]
     s = engine.session()
@@ -56,7 +56,7 @@ def test_recording_session_records_the_trajectory(tiny):
 def test_forced_turn_reproduces_generate(tiny, method):
     """Forcing a method's own greedy tokens gives back the logits it sampled them from."""
     model, dirs, _ = tiny
-    engine = make_engine(model, dirs, method)
+    engine = make_engine(model, dirs, method, prefix_caching=False)
     free, forced = engine.session(), engine.session()
     for agent, n_append, n_new in SCRIPT:
         ids = list(range(3, 3 + n_append))
@@ -187,7 +187,10 @@ def test_run_fidelity_and_reports(tiny, monkeypatch, tmp_path):
 
     model, dirs, _ = tiny
     monkeypatch.setattr(precache.agents.loop, "run_episode", _fake_episode)
-    engines = {m: make_engine(model, dirs, m) for m in ("nonshared", "fullshared", "prelrshared")}
+    engines = {
+        m: make_engine(model, dirs, m, prefix_caching=False)
+        for m in ("nonshared", "fullshared", "prelrshared")
+    }
     questions = [_Question("q1", "5"), _Question("q2", "x")]
     result = run_fidelity(engines, questions, max_new_tokens=3)
     assert result["episodes"] == 2 and result["turns"] == 6

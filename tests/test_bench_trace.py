@@ -31,7 +31,9 @@ def smoke():
 def replays(tiny, smoke):
     model, dirs, _ = tiny
     trace, stream = smoke
-    return {m: replay_engine(make_engine(model, dirs, m), trace, stream) for m in METHODS}
+    return {
+        m: replay_engine(make_engine(model, dirs, m, prefix_caching=False), trace, stream) for m in METHODS
+    }
 
 
 # -- traces --------------------------------------------------------------------------------------
@@ -149,14 +151,16 @@ def test_replay_refuses_a_trace_past_the_context(tiny):
     model, dirs, _ = tiny
     trace = parse_trace("agent,prefill_len,decode_len\nplan,250,10\n")
     with pytest.raises(TraceError, match="needs 260 tokens, the model's context length is 256"):
-        replay_engine(make_engine(model, dirs, "nonshared"), trace, token_stream(trace, 96))
+        replay_engine(
+            make_engine(model, dirs, "nonshared", prefix_caching=False), trace, token_stream(trace, 96)
+        )
 
 
 # -- suite, report, plot ---------------------------------------------------------------------------
 def test_suite_medians_ratios_report_and_plot(tiny, smoke, tmp_path):
     model, dirs, _ = tiny
     trace, stream = smoke
-    engines = {m: make_engine(model, dirs, m) for m in ("nonshared", "prelrshared")}
+    engines = {m: make_engine(model, dirs, m, prefix_caching=False) for m in ("nonshared", "prelrshared")}
     runners = {m: (lambda tr, st, e=e: replay_engine(e, tr, st)) for m, e in engines.items()}
     result = run_suite(runners, trace, stream, repeats=2)
     ns, pre = result["methods"]["nonshared"], result["methods"]["prelrshared"]

@@ -94,7 +94,9 @@ def test_allocator_against_a_brute_force_model(program):
 
 
 store_ops = st.lists(
-    st.tuples(st.sampled_from(["append", "fork", "free", "truncate", "publish", "write"]), st.integers(0, 10**6)),
+    st.tuples(
+        st.sampled_from(["append", "fork", "free", "truncate", "publish", "write"]), st.integers(0, 10**6)
+    ),
     max_size=40,
 )
 
@@ -170,7 +172,9 @@ def test_a_fork_costs_no_block_until_it_writes():
     _fill(parent, 0, 10, 0.0)  # 3 blocks, the last one partial
     assert pool.usage()["allocated"] == 3 * pool.block_bytes
     child = parent.fork()
-    assert pool.usage()["allocated"] == 3 * pool.block_bytes and pool.usage()["shared"] == 3 * pool.block_bytes
+    assert (
+        pool.usage()["allocated"] == 3 * pool.block_bytes and pool.usage()["shared"] == 3 * pool.block_bytes
+    )
     _fill(child, 10, 11, 500.0)  # writes into the shared partial block: only that block is copied
     assert pool.usage()["allocated"] == 4 * pool.block_bytes
     assert child.blocks[:2] == parent.blocks[:2] and child.blocks[2] != parent.blocks[2]

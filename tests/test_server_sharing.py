@@ -5,6 +5,7 @@ branches, pinned sessions, eviction, and a bounded concurrent load with integrit
 from __future__ import annotations
 
 import random
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -99,10 +100,19 @@ def _trajectory(responses) -> list[int]:
 def test_the_cache_budget_evicts_idle_sessions(tiny):
     with live(tiny_engine(tiny, "prelrshared"), max_cache_bytes=1) as (server, client):
         responses = _conversation(client)
-        assert [r.usage.prompt_tokens_details.cached_tokens for r in responses] == [0, 0, 0]
+        # each idle session is evicted at once; what stays is the pool's prefix cache of the
+        # published full blocks (16 tokens each), not the session's token-level cache (33, 41)
+        assert [r.usage.prompt_tokens_details.cached_tokens for r in responses] == [0, 32, 32]
         assert check_all_sessions(server) == 0
         metrics = httpx.get(server.url[:-3] + "/metrics").text
         assert "precache_kv_cache_bytes 0.0" in metrics
+        usage = server.app.state.engine.cache_usage()
+        assert usage["allocated"] == 0 and usage["cached"] > 0  # the published blocks, unheld
+        exported = {
+            m.group(1): float(m.group(2))
+            for m in re.finditer(r'^precache_kv_pool_bytes\{state="(\w+)"\} (\S+)$', metrics, re.M)
+        }
+        assert exported == {state: float(n) for state, n in usage.items()}
 
 
 def _load_conversation(client, k: int) -> list[int]:

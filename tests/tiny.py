@@ -138,8 +138,8 @@ SCRIPT = [
 ]
 
 
-def make_engine(model, dirs, method):
-    engine = precache.Engine(model, adapters=dirs, method=method)
+def make_engine(model, dirs, method, **options):
+    engine = precache.Engine(model, adapters=dirs, method=method, **options)
     engine.eos_token_ids = frozenset()  # fixed turn lengths: no early EOS on a random model
     return engine
 

@@ -1,4 +1,4 @@
-"""Sub-commands ``precache bench trace | serve`` and ``precache fidelity``.
+"""Sub-commands ``precache bench trace | serve | capacity`` and ``precache fidelity``.
 
 The model, adapters and engines are loaded only when a command runs.
 """
@@ -60,7 +60,8 @@ def _bench_trace(args: argparse.Namespace) -> int:
     stream = token_stream(trace, model.config.vocab_size, _special_ids(model), args.seed)
     runners = {}
     for method in methods:
-        engine = precache.Engine(model, adapters=adapters, method=method)
+        # every repeat replays the same stream: no trajectory may reuse another's blocks
+        engine = precache.Engine(model, adapters=adapters, method=method, prefix_caching=False)
         runners[method] = lambda tr, st, engine=engine: replay_engine(engine, tr, st)
     if not args.no_hf_peft:
         runners[METHOD_NAME] = HFPeftAgents(_hf_model(model), adapters).replay
@@ -91,7 +92,8 @@ def _fidelity(args: argparse.Namespace) -> int:
     adapters = adapter_set(args.adapters, ["plan", "action", "reflect"])
     questions = load_questions(args.split)[: args.limit]
     model = precache.load_model(args.model)
-    engines = {m: precache.Engine(model, adapters=adapters, method=m) for m in methods}
+    # each method computes every turn itself: the reference and the teacher-forced runs share a prompt
+    engines = {m: precache.Engine(model, adapters=adapters, method=m, prefix_caching=False) for m in methods}
     result = run_fidelity(
         engines,
         questions,
@@ -126,9 +128,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     bench = sub.add_parser("bench", help="benchmarks: trace replay against NonShared and HF + PEFT")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from precache.bench.capacity import add_bench_capacity
     from precache.bench.serve import add_bench_serve
 
     add_bench_serve(bench_sub)
+    add_bench_capacity(bench_sub)
     trace = bench_sub.add_parser("trace", help="replay an agent trace with every method, side by side")
     trace.add_argument("--trace", required=True, help="CSV agent,prefill_len,decode_len (or a shipped name)")
     trace.add_argument("--repeats", type=int, default=3, help="timed replays per method (median reported)")

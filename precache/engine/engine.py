@@ -45,7 +45,8 @@ class Engine:
     :class:`LoRAAdapter` s) by agent name, ``method`` one of :data:`precache.methods.METHODS`.
     Every trajectory's caches live in one block pool (``self.pool``) of ``kv_cache_bytes`` bytes
     (default: room for ``n_agents + 2`` caches at the context length), in blocks of
-    ``block_size`` tokens, shared by forks and by trajectories with a common token prefix.
+    ``block_size`` tokens, shared by forks and (``prefix_caching``) by trajectories with a common
+    token prefix.
 
     Raises:
         UnknownMethodError: ``method`` does not exist.
@@ -60,6 +61,7 @@ class Engine:
         method: str = "prelrshared",
         kv_cache_bytes: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        prefix_caching: bool = True,
     ):
         from precache.methods import METHODS
         from precache.models import load_model
@@ -77,7 +79,12 @@ class Engine:
             )
             self.adapters[name] = adapter.to(self.model.dtype, self.model.device)
         self.method = make_method(
-            method, self.model, self.adapters, kv_cache_bytes=kv_cache_bytes, block_size=block_size
+            method,
+            self.model,
+            self.adapters,
+            kv_cache_bytes=kv_cache_bytes,
+            block_size=block_size,
+            prefix_caching=prefix_caching,
         )
         self.pool = self.method.pool
         self.eos_token_ids = self._eos_ids()

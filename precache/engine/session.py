@@ -31,7 +31,8 @@ class Session:
     """One trajectory shared by all agents of an :class:`~precache.engine.engine.Engine`.
 
     ``token_ids`` is the whole trajectory; ``authors[t]`` the agent whose forward processed token
-    t first (DESIGN.md, Notation). The caches live in ``state`` (see :mod:`precache.methods`).
+    t first (DESIGN.md, Notation; None: the base model, or a token whose cache blocks came from
+    another trajectory with the same prefix). The caches live in ``state`` (see :mod:`precache.methods`).
     ``id`` names the trajectory (the server's ``session_id``); ``active`` is the request whose turn
     runs on it (None between turns); ``last_turn_end`` the trajectory length when the latest turn
     closed (what was appended since is the next turn's :attr:`Turn.appended`).
@@ -110,6 +111,19 @@ class Session:
             state=self.method.fork_state(self.state, length),
             last_turn_end=min(self.last_turn_end, length),
         )
+
+    def close(self) -> None:
+        """Give every cache block back to the pool now (published ones stay cached for prefix
+        reuse) and empty the trajectory. Only between turns.
+
+        Raises:
+            SessionBusyError: a turn runs on this session.
+        """
+        self._check_idle("close")
+        self.method.truncate(self.state, 0)
+        self.token_ids.clear()
+        self.authors.clear()
+        self.last_turn_end = 0
 
     def cache_bytes(self) -> dict:
         """Bytes per cache: ``{"base", "lr": {agent: n}, "full": {agent: n}, "turn", "total", "peak"}``."""

@@ -62,6 +62,9 @@ class SteppedTurn:
         n, state = len(session.token_ids), session.state
         self.prompt_tokens = n
         self.appended = tuple(session.token_ids[session.last_turn_end :])
+        # blocks other trajectories published for the same token prefix (never the last token)
+        reused = self.method.reuse_prefix(state, agent, session.token_ids)
+        session.authors.extend([None] * (reused - len(session.authors)))  # their authors are not ours to know
         if self.method.prefill_start(state, agent) >= n:  # all cached: recompute the last token
             self.method.truncate(state, n - 1)
             del session.authors[n - 1 :]
@@ -105,6 +108,7 @@ class SteppedTurn:
         s.note_cache_bytes()
         if self.phase is TurnPhase.POST:
             self.phase, self.t_done = TurnPhase.DONE, time.perf_counter()
+            self.method.publish_prefix(s.state, s.token_ids)  # the pass completed more blocks
             return None
         s.authors.extend([self.agent] * (self._end - len(s.authors)))
         if self.phase is TurnPhase.PREFILL:

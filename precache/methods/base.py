@@ -50,7 +50,9 @@ class SharingMethod(ABC):
 
     ``kv_cache_bytes`` bounds the pool (bytes; default: room for ``n_agents + 2`` full-context
     caches, so one trajectory at the context length fits under every method); ``block_size`` is
-    in tokens. ``agent=None`` everywhere means the base model with no adapter.
+    in tokens; ``prefix_caching`` lets a new trajectory take back the blocks another one published
+    for the same token prefix (:meth:`reuse_prefix`; off for benchmarks that replay one stream
+    several times). ``agent=None`` everywhere means the base model with no adapter.
 
     Raises:
         AdapterError: a split method with a k_proj LoRA on a model with a per-head k-norm (Qwen3).
@@ -67,8 +69,9 @@ class SharingMethod(ABC):
         adapters: dict[str, LoRAAdapter],
         kv_cache_bytes: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        prefix_caching: bool = True,
     ):
-        self.model, self.adapters = model, adapters
+        self.model, self.adapters, self.prefix_caching = model, adapters, prefix_caching
         c = model.config
         if self.splits_kv and c.qk_norm:
             for name, adapter in adapters.items():
@@ -189,14 +192,20 @@ class SharingMethod(ABC):
 
     def publish_prefix(self, state: CacheState, trajectory: list[int]) -> None:
         """Register the full committed blocks of :meth:`prefix_stores` for reuse by other trajectories."""
+        if not self.prefix_caching:
+            return
         for key, store in self.prefix_stores(state).items():
             publish(store, state.prefix.setdefault(key, PrefixChain(key)), trajectory)
 
     def reuse_prefix(self, state: CacheState, agent: str | None, token_ids: list[int]) -> int:
         """Before a turn: extend the agent's cache with published blocks of other trajectories that
-        hold the same token prefix (never the last token). Returns the tokens now cached for it."""
+        hold the same token prefix (never the last token). Returns the tokens now cached for it.
+
+        What a reused block holds is what the method's cache definition puts there, whoever wrote
+        it; the tokens it covers then count as earlier segments of this turn's agent (under
+        ReBaseShared its view of them is base + LR, not its own exact K/V)."""
         key = self.reuse_key(agent)
-        if key is not None and state.turn_start is None:
+        if key is not None and self.prefix_caching and state.turn_start is None:
             store = self._store(state, key)
             attach(store, state.prefix.setdefault(key, PrefixChain(key)), token_ids)
         return self.prefill_start(state, agent)

@@ -55,6 +55,12 @@ class ServerMetrics:
             "precache_cached_token_ratio", "Cached prompt tokens / prompt tokens since start", registry=r
         )
         self.cache_bytes = Gauge("precache_kv_cache_bytes", "Bytes held by all sessions' caches", registry=r)
+        self.pool_bytes = Gauge(
+            "precache_kv_pool_bytes",
+            "KV block pool bytes by state (Engine.cache_usage: total, allocated, used, shared, cached, free)",
+            ["state"],
+            registry=r,
+        )
         self.sessions = Gauge("precache_sessions", "Cached trajectories", registry=r)
         self.running = Gauge("precache_running_requests", "Requests in the batch", registry=r)
         self.waiting = Gauge("precache_waiting_requests", "Requests waiting for admission", registry=r)
@@ -69,6 +75,11 @@ class ServerMetrics:
         self.requests.labels(outcome).inc()
         self._prompt, self._cached = self._prompt + prompt, self._cached + cached
         self.cached_ratio.set(self._cached / self._prompt if self._prompt else 0.0)
+
+    def pool_usage(self, usage: dict[str, int]) -> None:
+        """Export :meth:`Engine.cache_usage` (bytes by state)."""
+        for state, n in usage.items():
+            self.pool_bytes.labels(state).set(n)
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition format and its content type."""

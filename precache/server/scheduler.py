@@ -202,6 +202,7 @@ class Scheduler:
         self.metrics.running.set(len(self.engine.scheduler.running))
         self.pool.evict()
         self.metrics.cache_bytes.set(self.pool.total_bytes())
+        self.metrics.pool_usage(self.engine.cache_usage())
         self.metrics.sessions.set(len(self.pool))
 
     def _report(self, active: _Active) -> None:

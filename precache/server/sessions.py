@@ -97,9 +97,11 @@ class SessionPool:
             self.entries.move_to_end(entry.sid)
 
     def discard(self, entry: PooledSession) -> None:
-        """Forget ``entry`` and its caches (after an error left them in doubt)."""
+        """Forget ``entry`` and give its cache blocks back to the pool."""
         self.entries.pop(entry.sid, None)
         self.trie.remove(entry.sid)
+        if entry.session.active is None:
+            entry.session.close()
 
     def total_bytes(self) -> int:
         """Bytes held by every session's caches."""

@@ -1,0 +1,131 @@
+"""Capacity: in one fixed KV-cache budget, how many concurrent multi-agent trajectories stay resident.
+
+Each method gets one engine whose block pool is exactly ``kv_cache_bytes``; trajectories of a
+trace (the paper shape, every agent reading the whole shared trajectory) are replayed one after
+another and all kept alive, as a server holds the conversations it serves, until the next one no
+longer fits (:class:`~precache.errors.OutOfBlocksError`). Turns are generated greedily with
+``ignore_eos`` and exactly the trace's decode lengths, over the trace's seeded random token stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from precache.bench.trace import Trace
+from precache.errors import OutOfBlocksError
+
+logger = logging.getLogger(__name__)
+
+
+def _replay(session, trace: Trace, stream: list[list[int]]) -> None:
+    for turn, appended in zip(trace.turns, stream, strict=True):
+        session.append(appended)
+        session.generate(agent=turn.agent, max_new_tokens=turn.decode_len, ignore_eos=True)
+
+
+def resident_trajectories(
+    engine, trace: Trace, streams: Callable[[int], list[list[int]]], limit: int = 64
+) -> dict:
+    """Replay ``trace`` as new trajectories in ``engine`` until one no longer fits; keep them all.
+    Trajectory ``i`` appends ``streams(i)`` (distinct streams: no prefix is shared between them).
+
+    Returns ``{"resident": n, "kv_cache_bytes", "block_bytes", "allocated_bytes",
+    "bytes_per_trajectory", "seconds"}``: ``resident`` trajectories fitted whole (the one that
+    failed is dropped and its blocks freed), ``bytes_per_trajectory`` the allocated bytes of one.
+    """
+    sessions, t0 = [], time.perf_counter()
+    while len(sessions) < limit:
+        session = engine.session()
+        try:
+            _replay(session, trace, streams(len(sessions)))
+        except OutOfBlocksError:
+            break
+        sessions.append(session)
+        logger.info("%s: %d trajectories resident", engine.method_name, len(sessions))
+    usage = engine.cache_usage()
+    n = len(sessions)
+    return {
+        "resident": n,
+        "kv_cache_bytes": usage["total"],
+        "block_bytes": engine.pool.block_bytes,
+        "allocated_bytes": usage["allocated"],
+        "bytes_per_trajectory": usage["allocated"] // n if n else None,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def capacity_markdown(result: dict) -> str:
+    """A markdown table of :func:`resident_trajectories` per method, with the ratio to NonShared."""
+    rows = result["methods"]
+    ref = rows.get("nonshared", {}).get("resident") or None
+    lines = [
+        f"Trace `{result['trace']}`, KV-cache budget {result['kv_cache_bytes'] / 2**20:.0f} MiB.",
+        "",
+        "| method | resident trajectories | vs NonShared | MiB per trajectory |",
+        "|---|---:|---:|---:|",
+    ]
+    for method, r in rows.items():
+        per = f"{r['bytes_per_trajectory'] / 2**20:.1f}" if r["bytes_per_trajectory"] else "-"
+        ratio = f"{r['resident'] / ref:.2f}x" if ref else "-"
+        lines.append(f"| {method} | {r['resident']} | {ratio} | {per} |")
+    return "\n".join(lines) + "\n"
+
+
+def _bench_capacity(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+
+    import precache
+    from precache.bench import report
+    from precache.bench.cli import _methods, _special_ids
+    from precache.bench.trace import load_trace, paper_trace, token_stream
+    from precache.resources import adapter_set, trace_path
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    trace = paper_trace(args.paper_len) if args.trace is None else load_trace(trace_path(args.trace))
+    adapters = adapter_set(args.adapters, trace.agents)
+    model = precache.load_model(args.model)
+    special = _special_ids(model)
+
+    def streams(i: int) -> list[list[int]]:
+        return token_stream(trace, model.config.vocab_size, special, args.seed + i)
+
+    result = {"trace": trace.name, "kv_cache_bytes": args.kv_cache_bytes, "methods": {}}
+    for method in _methods(args.methods):
+        engine = precache.Engine(model, adapters=adapters, method=method, kv_cache_bytes=args.kv_cache_bytes)
+        result["methods"][method] = resident_trajectories(engine, trace, streams, args.limit)
+        del engine
+    result["config"] = {k: v for k, v in vars(args).items() if k != "func"}
+    report.write_json(result, args.json)
+    text = capacity_markdown(result)
+    Console().print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text, encoding="utf-8")
+    return 0
+
+
+def add_bench_capacity(bench_sub) -> None:
+    """Register ``precache bench capacity``."""
+    from precache.methods import METHODS
+
+    p = bench_sub.add_parser("capacity", help="how many trajectories stay resident in one KV-cache budget")
+    p.add_argument("--kv-cache-bytes", type=int, required=True, help="the block pool's budget in bytes")
+    p.add_argument("--paper-len", type=int, default=256, help="L of the paper trace (when no --trace)")
+    p.add_argument("--trace", default=None, help="CSV or shipped trace name instead of the paper shape")
+    p.add_argument("--limit", type=int, default=64, help="stop after this many resident trajectories")
+    p.add_argument("--seed", type=int, default=0, help="seed of the appended random token stream")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated sharing methods")
+    p.add_argument("--adapters", default="qv", help="qv | all (committed sets) | DIR with DIR/<agent>/")
+    p.add_argument("--model", help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--json", required=True, help="results file")
+    p.add_argument("--markdown", help="also write the markdown table here")
+    p.add_argument(
+        "--threads", type=int, default=int(os.environ.get("PRECACHE_THREADS", 0)), help="torch threads"
+    )
+    p.set_defaults(func=_bench_capacity)
