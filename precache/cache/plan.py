@@ -193,6 +193,26 @@ def _metadata(model, plans: list[RowPlan], num_tokens: int) -> BatchMetadata:
     return BatchMetadata(tuple(rows), num_tokens)
 
 
+def blocks_needed(plans: list[RowPlan]) -> int:
+    """New pool blocks running ``plans`` would take: blocks past each written store's table, plus
+    shared blocks in a written range (copy-on-write). The scheduler admits rows while they fit."""
+    spans: dict[int, tuple[PagedStore, int, int]] = {}
+    for plan in plans:
+        for w in plan.writes:
+            start, store = _write_start(plan, w), _paged(w)
+            if start < plan.end:
+                s0, e0 = spans.get(id(store), (store, start, plan.end))[1:]
+                spans[id(store)] = (store, min(s0, start), max(e0, plan.end))
+    need = 0
+    for store, start, end in spans.values():
+        pool, off = store.pool, store.offset
+        last = pool.blocks_for(end - off)
+        need += max(0, last - len(store.blocks))
+        shared = store.blocks[(start - off) // pool.block_size : last]
+        need += sum(pool.allocator.is_shared(b) for b in shared)
+    return need
+
+
 def commit_plans(plans: list[RowPlan]) -> None:
     """Advance each written store's length to the end of what the plans wrote."""
     for plan in plans:

@@ -88,7 +88,7 @@ class Engine:
         )
         self.pool = self.method.pool
         self.eos_token_ids = self._eos_ids()
-        self.scheduler = Scheduler(self._forward)
+        self.scheduler = Scheduler(self._forward, pool=self.pool)
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()

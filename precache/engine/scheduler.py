@@ -24,6 +24,8 @@ from typing import TypeVar
 
 from tqdm import tqdm
 
+from precache.cache.plan import blocks_needed
+from precache.cache.pool import KVPool
 from precache.engine.request import Request, RequestState, StreamChunk
 from precache.engine.turn import SteppedTurn, TurnPhase
 from precache.errors import OutOfBlocksError, PrecacheError
@@ -70,10 +72,21 @@ class Batch:
 
 class Scheduler:
     """Requests of one engine: ``waiting`` (FIFO) and ``running``. ``forward(plans)`` runs row plans
-    as one batch and returns each plan's logits (:func:`~precache.cache.plan.run_plans`)."""
+    as one batch and returns each plan's logits (:func:`~precache.cache.plan.run_plans`).
 
-    def __init__(self, forward: Callable[[list], list], config: SchedulerConfig | None = None):
-        self.forward = forward
+    With the engine's block ``pool``, a step takes rows only while the blocks they write fit in
+    what the pool can hand out (free or evictable); the others wait for a later step. The first
+    row of a step always runs: if even it does not fit, its request fails with
+    :class:`~precache.errors.OutOfBlocksError` (nothing else would free a block).
+    """
+
+    def __init__(
+        self,
+        forward: Callable[[list], list],
+        config: SchedulerConfig | None = None,
+        pool: KVPool | None = None,
+    ):
+        self.forward, self.pool = forward, pool
         self.config = config or SchedulerConfig()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -181,6 +194,7 @@ class Scheduler:
     def _collect(self, batch: Batch) -> None:
         """Every decode token and post-turn pass, then prefill chunks in arrival order within the budget."""
         budget = self.config.max_step_tokens
+        blocks = self.pool.allocator.num_available if self.pool is not None else None
         decoding = [r for r in self.running if r.turn.phase in (TurnPhase.DECODE, TurnPhase.POST)]
         prefilling = [r for r in self.running if r.turn.phase is TurnPhase.PREFILL]
         for r in decoding + prefilling:
@@ -189,12 +203,18 @@ class Scheduler:
                 if budget <= 0:
                     continue
                 take = min(budget, r.turn.prefill_left)
-                budget -= take
             try:
                 plans = r.turn.plans(take)
             except Exception as exc:
                 self._fail(r, exc, batch)
                 continue
+            if blocks is not None:
+                need = blocks_needed(plans)
+                if need > blocks and batch.requests:
+                    continue  # waits for a step with room (plans are recomputed then)
+                blocks -= need
+            if take is not None:
+                budget -= take
             batch.requests.append(r)
             batch.plans.append(plans)
 

@@ -46,6 +46,8 @@ class SteppedTurn:
 
     def __init__(self, session, agent: str | None, params: SamplingParams, forced: list[int] | None = None):
         session.check_room(len(forced) if forced else 0)
+        budget = len(forced) if forced else params.max_new_tokens
+        session.method.check_fits(session.state, len(session.token_ids) + budget)
         self.session, self.agent, self.params = session, agent, params
         self.method, self.forced = session.method, forced
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
@@ -55,7 +57,7 @@ class SteppedTurn:
         self.first_logits: torch.Tensor | None = None
         self.finish_reason: str | None = None
         self.post: list[RowPlan] = []
-        self.prefill_tokens = 0
+        self.prefill_tokens = self._chunk_tokens = 0
         self._end = 0
         self.t_open = time.perf_counter()
         self.t_first = self.t_end = self.t_done = 0.0
@@ -95,7 +97,7 @@ class SteppedTurn:
         left = len(s.token_ids) - self.pos
         self._end = self.pos + (left if max_prefill is None else min(left, max(1, max_prefill)))
         plans = self.method.plans(s.state, self.agent, s.token_ids[self.pos : self._end], self.pos)
-        self.prefill_tokens += sum(len(p.token_ids) for p in plans)
+        self._chunk_tokens = sum(len(p.token_ids) for p in plans)  # counted once the forward ran
         if self._end < len(s.token_ids):  # an inner chunk: nothing to sample yet
             for plan in plans:
                 plan.want_logits = False
@@ -112,6 +114,7 @@ class SteppedTurn:
             return None
         s.authors.extend([self.agent] * (self._end - len(s.authors)))
         if self.phase is TurnPhase.PREFILL:
+            self.prefill_tokens += self._chunk_tokens
             self.pos = self._end
             if self.pos < len(s.token_ids):
                 return None

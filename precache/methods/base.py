@@ -152,6 +152,20 @@ class SharingMethod(ABC):
         lr = state.lr.get(agent) if agent is not None else None
         return materialise_view(self.model, layer, View(state.base, 0, end, lr, self.adapter(agent)))
 
+    def check_fits(self, state: CacheState, n_tokens: int) -> None:
+        """Refuse a turn that could never fit the block pool: its trajectory reaching ``n_tokens``.
+
+        Raises:
+            CacheCapacityError: the turn's caches need more blocks than the pool holds.
+        """
+        cached = self.cached_length(state)
+        need = self.pool.blocks_for(n_tokens) + self.extra_turn_blocks(n_tokens - cached)
+        self.pool.check_fits(need, f"a {n_tokens}-token trajectory under {self.name}")
+
+    def extra_turn_blocks(self, turn_tokens: int) -> int:
+        """Blocks a turn of ``turn_tokens`` holds beyond the trajectory's own cache (default none)."""
+        return 0
+
     # -- bookkeeping ---------------------------------------------------------------------------
     def truncate(self, state: CacheState, length: int) -> None:
         """Cut every cache back to ``length`` tokens (DESIGN.md fact 6). Only between turns."""

@@ -27,6 +27,9 @@ class ReBaseShared(SplitKVMethod):
     def cached_length(self, state: CacheState) -> int:
         return state.base.length if state.turn is None else state.turn_start
 
+    def extra_turn_blocks(self, turn_tokens: int) -> int:
+        return self.pool.blocks_for(turn_tokens) + 1  # the turn-local full cache (it may start mid-block)
+
     def prefix_stores(self, state: CacheState):
         return {} if state.turn is not None else super().prefix_stores(state)
 

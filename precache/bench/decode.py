@@ -1,0 +1,112 @@
+"""Batched decode: tokens/s of N concurrent trajectories in one engine against one HF + PEFT stream.
+
+A decode step streams the weights once for every row of the batch, so on a memory-bound machine
+N rows cost little more than one. Both sides decode ``new_tokens`` greedy tokens (``ignore_eos``)
+after a ``prompt_len``-token random prompt, with the same adapter; only the decode part is timed
+(from the first sampled token to the last), in one run on the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+
+
+def engine_decode(engine, agent: str, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Decode ``new_tokens`` on every prompt at once; returns ``{"tokens", "seconds", "tokens_per_s"}``
+    (decode tokens after each trajectory's first, over the wall time from the last first token)."""
+    sessions = [engine.session() for _ in prompts]
+    requests = []
+    for s, p in zip(sessions, prompts, strict=True):
+        s.append(p)
+        requests.append(s.submit(agent, max_new_tokens=new_tokens, ignore_eos=True))
+    while not all(r.turn is not None and r.turn.out for r in requests):  # every prefill done
+        engine.step()
+    t0 = time.perf_counter()
+    engine.wait_all(requests)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(r.outcome().token_ids) - 1 for r in requests)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+
+@torch.inference_mode()
+def hf_peft_decode(peft_model, prompt: list[int], new_tokens: int) -> dict:
+    """One greedy stream on an HF PEFT model with a ``DynamicCache``: the same measure as
+    :func:`engine_decode` for one trajectory."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    out = peft_model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+    token = out.logits[0, -1].argmax()
+    t0 = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        out = peft_model(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True)
+        token = out.logits[0, -1].argmax()
+    seconds = time.perf_counter() - t0
+    return {"tokens": new_tokens - 1, "seconds": seconds, "tokens_per_s": (new_tokens - 1) / seconds}
+
+
+def _bench_decode(args: argparse.Namespace) -> int:
+    from peft import PeftModel
+    from rich.console import Console
+
+    import precache
+    from precache.bench import report
+    from precache.bench.cli import _hf_model
+    from precache.resources import adapter_set
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    adapters = adapter_set(args.adapters, [args.agent])
+    model = precache.load_model(args.model)
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = [
+        torch.randint(10, 10_000, (args.prompt_len,), generator=g).tolist() for _ in range(args.concurrency)
+    ]
+    engine = precache.Engine(model, adapters={args.agent: adapters[args.agent]}, method=args.method)
+    engine_decode(engine, args.agent, prompts[:2], 4)  # warm-up
+    ours = engine_decode(engine, args.agent, prompts, args.new_tokens)
+    peft = PeftModel.from_pretrained(_hf_model(model), str(adapters[args.agent])).eval()
+    hf_peft_decode(peft, prompts[0], 4)
+    theirs = hf_peft_decode(peft, prompts[0], args.new_tokens)
+    result = {
+        "engine": ours,
+        "hf_peft": theirs,
+        "speedup": ours["tokens_per_s"] / theirs["tokens_per_s"],
+        "config": {k: v for k, v in vars(args).items() if k != "func"},
+    }
+    report.write_json(result, args.json)
+    text = (
+        f"| side | trajectories | decode tokens | seconds | tokens/s |\n|---|---:|---:|---:|---:|\n"
+        f"| precache {args.method} | {args.concurrency} | {ours['tokens']} | {ours['seconds']:.2f} | "
+        f"{ours['tokens_per_s']:.1f} |\n"
+        f"| hf-peft | 1 | {theirs['tokens']} | {theirs['seconds']:.2f} | {theirs['tokens_per_s']:.1f} |\n\n"
+        f"Speed-up: {result['speedup']:.2f}x\n"
+    )
+    Console().print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text, encoding="utf-8")
+    return 0
+
+
+def add_bench_decode(bench_sub) -> None:
+    """Register ``precache bench decode``."""
+    p = bench_sub.add_parser("decode", help="batched decode tokens/s against one HF + PEFT stream")
+    p.add_argument("--concurrency", type=int, default=16, help="trajectories decoding together")
+    p.add_argument("--prompt-len", type=int, default=256, help="random prompt tokens per trajectory")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per trajectory")
+    p.add_argument("--agent", default="plan", help="the adapter both sides decode with")
+    p.add_argument("--method", default="prelrshared", help="the engine's sharing method")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--adapters", default="qv", help="qv | all (committed sets) | DIR with DIR/<agent>/")
+    p.add_argument("--model", help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--json", required=True, help="results file")
+    p.add_argument("--markdown", help="also write the markdown table here")
+    p.add_argument(
+        "--threads", type=int, default=int(os.environ.get("PRECACHE_THREADS", 0)), help="torch threads"
+    )
+    p.set_defaults(func=_bench_decode)
