@@ -44,6 +44,7 @@ def resident_trajectories(
         try:
             _replay(session, trace, streams(len(sessions)))
         except OutOfBlocksError:
+            session.close()  # the one that did not fit: its blocks go back before counting
             break
         sessions.append(session)
         logger.info("%s: %d trajectories resident", engine.method_name, len(sessions))

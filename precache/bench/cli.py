@@ -1,4 +1,4 @@
-"""Sub-commands ``precache bench trace | serve | capacity | decode`` and ``precache fidelity``.
+"""Sub-commands ``precache bench trace | serve | capacity | decode | episodes`` and ``precache fidelity``.
 
 The model, adapters and engines are loaded only when a command runs.
 """
@@ -130,11 +130,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from precache.bench.capacity import add_bench_capacity
     from precache.bench.decode import add_bench_decode
+    from precache.bench.episode_ttft import add_bench_episodes
     from precache.bench.serve import add_bench_serve
 
     add_bench_serve(bench_sub)
     add_bench_capacity(bench_sub)
     add_bench_decode(bench_sub)
+    add_bench_episodes(bench_sub)
     trace = bench_sub.add_parser("trace", help="replay an agent trace with every method, side by side")
     trace.add_argument("--trace", required=True, help="CSV agent,prefill_len,decode_len (or a shipped name)")
     trace.add_argument("--repeats", type=int, default=3, help="timed replays per method (median reported)")

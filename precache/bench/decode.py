@@ -40,11 +40,11 @@ def hf_peft_decode(peft_model, prompt: list[int], new_tokens: int) -> dict:
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    out = peft_model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+    out = peft_model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True, logits_to_keep=1)
     token = out.logits[0, -1].argmax()
     t0 = time.perf_counter()
     for _ in range(new_tokens - 1):
-        out = peft_model(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True)
+        out = peft_model(input_ids=token.view(1, 1), cache=cache, use_cache=True, logits_to_keep=1)
         token = out.logits[0, -1].argmax()
     seconds = time.perf_counter() - t0
     return {"tokens": new_tokens - 1, "seconds": seconds, "tokens_per_s": (new_tokens - 1) / seconds}
