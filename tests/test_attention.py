@@ -71,3 +71,25 @@ def test_first_prefill_uses_the_same_causal_maths(with_lr):
         seg = Segment(k, v, 0, torch.randn(T, r, generator=g), torch.randn(r, Hkv * D, generator=g), 0.5)
     q = torch.randn(T, Hq, D, generator=g)
     assert torch.allclose(attend(q, 0, [seg]), _reference(q, 0, [seg]), atol=1e-5)
+
+
+@pytest.mark.parametrize("n_cached", [1, 300])
+def test_long_continuation_prefill_in_query_chunks_matches_the_reference(n_cached):
+    """A continuation row of >= 2 * CHUNK_MIN queries runs in query chunks: same values."""
+    from precache.cache.attention.segments import CHUNK_MIN
+
+    g = torch.Generator().manual_seed(n_cached)
+    T, Hq, Hkv, D, r = 2 * CHUNK_MIN + 9, 6, 2, 8, 3
+    n = n_cached + T
+    k, v = torch.randn(n, Hkv, D, generator=g), torch.randn(n, Hkv, D, generator=g)
+    cached = Segment(
+        k[:n_cached],
+        v[:n_cached],
+        0,
+        torch.randn(n_cached, r, generator=g),
+        torch.randn(r, Hkv * D, generator=g),
+        0.5,
+    )
+    segments = [cached, Segment(k[n_cached:], v[n_cached:], n_cached)]
+    q = torch.randn(T, Hq, D, generator=g)
+    assert torch.allclose(attend(q, n_cached, segments), _reference(q, n_cached, segments), atol=1e-5)

@@ -16,10 +16,10 @@ from rich.table import Table
 
 from precache.agents import prompt
 from precache.agents.data import DatasetError, Question, get_question, load_questions
+from precache.resources import ADAPTER_ROOT, ADAPTER_SETS, adapter_set
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_ROOT = Path(__file__).resolve().parents[2] / "adapters" / "smollm2-135m"
 REFERENCE_METHOD = "nonshared"
 
 
@@ -50,8 +50,7 @@ def _engine(args: argparse.Namespace, method: str, model=None):
 
     if model is None:
         model = precache.load_model(args.model)
-    adapters = {role: str(ADAPTER_ROOT / args.adapters / role) for role in prompt.ROLES}
-    return precache.Engine(model, adapters=adapters, method=method)
+    return precache.Engine(model, adapters=adapter_set(args.adapters, prompt.ROLES), method=method)
 
 
 def _custom_question(text: str, paragraphs: Path, answer: str) -> Question:
@@ -139,7 +138,11 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--method", default="prelrshared", help="sharing method (nonshared, prelrshared, ...)"
     )
-    parser.add_argument("--adapters", choices=("qv", "all"), default="qv", help="adapter set under adapters/")
+    parser.add_argument(
+        "--adapters",
+        default="qv",
+        help="qv | all (committed sets) | DIR with DIR/plan, DIR/action, DIR/reflect",
+    )
     parser.add_argument("--model", help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--max-steps", type=int, default=8, help="plan steps per episode")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per agent turn")
@@ -150,13 +153,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     adapters = sub.add_parser("adapters", help="train or check the plan / action / reflect adapters")
     adapters_sub = adapters.add_subparsers(dest="adapters_command", required=True)
     train = adapters_sub.add_parser("train", help="train one adapter set on gold HotpotQA trajectories")
-    train.add_argument("--set", choices=("qv", "all"), default="qv", help="projections the LoRA targets")
+    train.add_argument("--set", choices=ADAPTER_SETS, default="qv", help="projections the LoRA targets")
     train.add_argument("--steps", type=int, default=60, help="optimizer steps per role (batch 4)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--out", help="output folder (default adapters/smollm2-135m/<set>)")
     train.set_defaults(func=_train)
     check = adapters_sub.add_parser("check", help="form check of each role with and without its adapter")
-    check.add_argument("--set", nargs="+", choices=("qv", "all"), default=["qv"], help="one or both sets")
+    check.add_argument("--set", nargs="+", choices=ADAPTER_SETS, default=["qv"], help="one or both sets")
     check.add_argument("--limit", type=int, default=20, help="dev questions to check")
     check.set_defaults(func=_check)
 

@@ -83,7 +83,7 @@ def _bench_capacity(args: argparse.Namespace) -> int:
 
     import precache
     from precache.bench import report
-    from precache.bench.cli import _methods, _special_ids
+    from precache.bench.common import methods_with_reference, special_ids
     from precache.bench.trace import load_trace, paper_trace, token_stream
     from precache.resources import adapter_set, trace_path
 
@@ -92,13 +92,13 @@ def _bench_capacity(args: argparse.Namespace) -> int:
     trace = paper_trace(args.paper_len) if args.trace is None else load_trace(trace_path(args.trace))
     adapters = adapter_set(args.adapters, trace.agents)
     model = precache.load_model(args.model)
-    special = _special_ids(model)
+    special = special_ids(model)
 
     def streams(i: int) -> list[list[int]]:
         return token_stream(trace, model.config.vocab_size, special, args.seed + i)
 
     result = {"trace": trace.name, "kv_cache_bytes": args.kv_cache_bytes, "methods": {}}
-    for method in _methods(args.methods):
+    for method in methods_with_reference(args.methods):
         engine = precache.Engine(model, adapters=adapters, method=method, kv_cache_bytes=args.kv_cache_bytes)
         result["methods"][method] = resident_trajectories(engine, trace, streams, args.limit)
         del engine

@@ -12,32 +12,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from precache.errors import UnknownMethodError
+from precache.bench.common import hf_model_of, methods_with_reference, special_ids
 from precache.resources import adapter_set, trace_path
 
 logger = logging.getLogger(__name__)
-
-
-def _methods(text: str) -> list[str]:
-    from precache.methods import METHODS
-
-    names = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in names if m not in METHODS]
-    if unknown:
-        raise UnknownMethodError(f"unknown method(s) {', '.join(unknown)} (methods: {', '.join(METHODS)})")
-    return ["nonshared", *(m for m in names if m != "nonshared")]  # the reference always runs
-
-
-def _hf_model(model):
-    """The HF model the baseline wraps, loaded from ``model``'s checkpoint (no tensors shared)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
-
-
-def _special_ids(model) -> list[int]:
-    return list(getattr(model.tokenizer, "all_special_ids", []) or [])
 
 
 def _bench_trace(args: argparse.Namespace) -> int:
@@ -52,19 +30,19 @@ def _bench_trace(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    methods = _methods(args.methods)
+    methods = methods_with_reference(args.methods)
     trace = load_trace(trace_path(args.trace))
     adapters = adapter_set(args.adapters, trace.agents)
     model = precache.load_model(args.model, max_context=args.max_context)
     check_fits(trace, model.max_context)
-    stream = token_stream(trace, model.config.vocab_size, _special_ids(model), args.seed)
+    stream = token_stream(trace, model.config.vocab_size, special_ids(model), args.seed)
     runners = {}
     for method in methods:
         # every repeat replays the same stream: no trajectory may reuse another's blocks
         engine = precache.Engine(model, adapters=adapters, method=method, prefix_caching=False)
         runners[method] = lambda tr, st, engine=engine: replay_engine(engine, tr, st)
     if not args.no_hf_peft:
-        runners[METHOD_NAME] = HFPeftAgents(_hf_model(model), adapters).replay
+        runners[METHOD_NAME] = HFPeftAgents(hf_model_of(model), adapters).replay
     result = run_suite(runners, trace, stream, repeats=args.repeats)
     result["config"] = {k: v for k, v in vars(args).items() if k != "func"}
     report.write_json(result, args.json)
@@ -88,7 +66,7 @@ def _fidelity(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    methods = _methods(args.methods)
+    methods = methods_with_reference(args.methods)
     adapters = adapter_set(args.adapters, ["plan", "action", "reflect"])
     questions = load_questions(args.split)[: args.limit]
     model = precache.load_model(args.model)

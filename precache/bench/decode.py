@@ -17,8 +17,9 @@ import torch
 
 
 def engine_decode(engine, agent: str, prompts: list[list[int]], new_tokens: int) -> dict:
-    """Decode ``new_tokens`` on every prompt at once; returns ``{"tokens", "seconds", "tokens_per_s"}``
-    (decode tokens after each trajectory's first, over the wall time from the last first token)."""
+    """Decode ``new_tokens`` on every prompt at once; returns ``{"tokens", "seconds", "tokens_per_s",
+    "token_ids"}``: decode tokens after each trajectory's first, over the wall time from the moment
+    every trajectory has its first token; ``token_ids`` each trajectory's generated ids."""
     sessions = [engine.session() for _ in prompts]
     requests = []
     for s, p in zip(sessions, prompts, strict=True):
@@ -29,8 +30,9 @@ def engine_decode(engine, agent: str, prompts: list[list[int]], new_tokens: int)
     t0 = time.perf_counter()
     engine.wait_all(requests)
     seconds = time.perf_counter() - t0
-    tokens = sum(len(r.outcome().token_ids) - 1 for r in requests)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    token_ids = [r.outcome().token_ids for r in requests]
+    tokens = sum(len(t) - 1 for t in token_ids)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "token_ids": token_ids}
 
 
 @torch.inference_mode()
@@ -56,7 +58,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
 
     import precache
     from precache.bench import report
-    from precache.bench.cli import _hf_model
+    from precache.bench.common import hf_model_of
     from precache.resources import adapter_set
 
     if args.threads:
@@ -70,9 +72,10 @@ def _bench_decode(args: argparse.Namespace) -> int:
     engine = precache.Engine(model, adapters={args.agent: adapters[args.agent]}, method=args.method)
     engine_decode(engine, args.agent, prompts[:2], 4)  # warm-up
     ours = engine_decode(engine, args.agent, prompts, args.new_tokens)
-    peft = PeftModel.from_pretrained(_hf_model(model), str(adapters[args.agent])).eval()
+    peft = PeftModel.from_pretrained(hf_model_of(model), str(adapters[args.agent])).eval()
     hf_peft_decode(peft, prompts[0], 4)
     theirs = hf_peft_decode(peft, prompts[0], args.new_tokens)
+    ours.pop("token_ids")
     result = {
         "engine": ours,
         "hf_peft": theirs,

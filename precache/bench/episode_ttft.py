@@ -13,6 +13,8 @@ import gc
 import os
 from pathlib import Path
 
+from tqdm import tqdm
+
 from precache.engine.request import Turn
 
 
@@ -35,7 +37,7 @@ def episode_ttft(engines: dict, recorded: list[list[Turn]]) -> dict:
     """
     totals = {m: {"sum_ttft_s": 0.0, "prefill_tokens": 0} for m in engines}
     names = list(engines)
-    for i, turns in enumerate(recorded):
+    for i, turns in enumerate(tqdm(recorded, desc="replay", unit="episode", disable=len(recorded) < 2)):
         for method in names[i % len(names) :] + names[: i % len(names)]:
             for t in replay_recorded(engines[method], turns):
                 totals[method]["sum_ttft_s"] += t.ttft_s
@@ -68,7 +70,7 @@ def _bench_episodes(args: argparse.Namespace) -> int:
     from precache.agents.data import load_questions
     from precache.agents.loop import run_episode
     from precache.bench import report
-    from precache.bench.cli import _methods
+    from precache.bench.common import methods_with_reference
     from precache.engine.scheduler import run_concurrently
     from precache.resources import adapter_set
 
@@ -80,7 +82,7 @@ def _bench_episodes(args: argparse.Namespace) -> int:
     # every method replays the same recorded stream: no trajectory may reuse another's blocks
     engines = {
         m: precache.Engine(model, adapters=adapters, method=m, prefix_caching=False)
-        for m in _methods(args.methods)
+        for m in methods_with_reference(args.methods)
     }
     record = engines["nonshared"]
     episodes = run_concurrently(

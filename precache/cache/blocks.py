@@ -16,9 +16,19 @@ Rules:
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 from precache.errors import OutOfBlocksError
+
+
+def _locked(method):
+    def run(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    run.__name__, run.__doc__ = method.__name__, method.__doc__
+    return run
 
 
 class BlockAllocator:
@@ -38,6 +48,9 @@ class BlockAllocator:
         self.cached: OrderedDict[int, None] = OrderedDict()  # count-0 registered blocks, LRU first
         self.hash_of: dict[int, int] = {}
         self.block_of: dict[int, int] = {}
+        # sessions die on any thread (their blocks are released by a finalizer) while one thread
+        # steps the engine: every change holds this lock (re-entrant: a finalizer may run inside one)
+        self.lock = threading.RLock()
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -58,6 +71,7 @@ class BlockAllocator:
         return self.block_of.get(prefix_hash)
 
     # -- changes -------------------------------------------------------------------------------
+    @_locked
     def allocate(self, after: int | None = None) -> int:
         """Hold a new block (count 1), preferably ``after + 1``; evict the LRU cached block when
         nothing is free.
@@ -79,6 +93,7 @@ class BlockAllocator:
         self.ref[block] = 1
         return block
 
+    @_locked
     def hold(self, block: int) -> None:
         """One more holder of ``block`` (a fork, or a prefix-cache hit on a cached block)."""
         if self.ref[block] == 0:
@@ -87,6 +102,7 @@ class BlockAllocator:
             del self.cached[block]
         self.ref[block] += 1
 
+    @_locked
     def release(self, block: int) -> None:
         """One holder fewer; at zero the block is cached (if registered) or freed."""
         if self.ref[block] <= 0:
@@ -98,6 +114,7 @@ class BlockAllocator:
             else:
                 self.free.add(block)
 
+    @_locked
     def register(self, block: int, prefix_hash: int) -> bool:
         """Name held ``block`` by ``prefix_hash``; False when the hash or the block already has one."""
         if prefix_hash in self.block_of or block in self.hash_of:
@@ -105,6 +122,7 @@ class BlockAllocator:
         self.block_of[prefix_hash], self.hash_of[block] = block, prefix_hash
         return True
 
+    @_locked
     def unregister(self, block: int) -> None:
         """Drop ``block``'s hash before its sole holder rewrites it in place."""
         self._unregister(block)

@@ -110,20 +110,22 @@ class KVPool:
         """Bytes: ``total`` (the pool), ``allocated`` (blocks held by a trajectory), ``used``
         (positions of held blocks that hold a committed token), ``shared`` (blocks held by more
         than one table, counted once), ``cached`` (unheld blocks kept for prefix reuse), ``free``."""
-        a = self.allocator
+        a, bs = self.allocator, self.block_size
         filled: dict[int, int] = {}
-        for store in list(self._stores):
-            for i, block in enumerate(store.blocks):
-                n = min(self.block_size, max(0, store.length - store.offset - i * self.block_size))
-                filled[block] = max(filled.get(block, 0), n)
-        shared = sum(1 for r in a.ref if r > 1)
+        with a.lock:  # one consistent picture, even while other threads release sessions
+            for store in list(self._stores):
+                for i, block in enumerate(store.blocks):
+                    n = min(bs, max(0, store.length - store.offset - i * bs))
+                    filled[block] = max(filled.get(block, 0), n)
+            counts = (a.num_held, sum(1 for r in a.ref if r > 1), len(a.cached), len(a.free))
+        held, shared, cached, free = counts
         return {
             "total": self.nbytes,
-            "allocated": a.num_held * self.block_bytes,
+            "allocated": held * self.block_bytes,
             "used": sum(filled.values()) * self.token_bytes,
             "shared": shared * self.block_bytes,
-            "cached": len(a.cached) * self.block_bytes,
-            "free": len(a.free) * self.block_bytes,
+            "cached": cached * self.block_bytes,
+            "free": free * self.block_bytes,
         }
 
 
@@ -146,7 +148,8 @@ class PagedStore:
         self.pool, self.offset, self.length = pool, offset, offset
         self.blocks: list[int] = []
         self._finalizer = weakref.finalize(self, _release_all, pool.allocator, self.blocks)
-        pool._stores.add(self)
+        with pool.allocator.lock:
+            pool._stores.add(self)
 
     # -- blocks ----------------------------------------------------------------------------------
     def reserve(self, end: int) -> None:
