@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 
+from precache.bench.common import add_common_args, write_results
 from precache.bench.trace import Trace
 from precache.errors import OutOfBlocksError
 
@@ -79,10 +78,8 @@ def capacity_markdown(result: dict) -> str:
 
 def _bench_capacity(args: argparse.Namespace) -> int:
     import torch
-    from rich.console import Console
 
     import precache
-    from precache.bench import report
     from precache.bench.common import methods_with_reference, special_ids
     from precache.bench.trace import load_trace, paper_trace, token_stream
     from precache.resources import adapter_set, trace_path
@@ -102,13 +99,7 @@ def _bench_capacity(args: argparse.Namespace) -> int:
         engine = precache.Engine(model, adapters=adapters, method=method, kv_cache_bytes=args.kv_cache_bytes)
         result["methods"][method] = resident_trajectories(engine, trace, streams, args.limit)
         del engine
-    result["config"] = {k: v for k, v in vars(args).items() if k != "func"}
-    report.write_json(result, args.json)
-    text = capacity_markdown(result)
-    Console().print(text)
-    if args.markdown:
-        Path(args.markdown).write_text(text, encoding="utf-8")
-    return 0
+    return write_results(result, capacity_markdown(result), args)
 
 
 def add_bench_capacity(bench_sub) -> None:
@@ -121,12 +112,5 @@ def add_bench_capacity(bench_sub) -> None:
     p.add_argument("--trace", default=None, help="CSV or shipped trace name instead of the paper shape")
     p.add_argument("--limit", type=int, default=64, help="stop after this many resident trajectories")
     p.add_argument("--seed", type=int, default=0, help="seed of the appended random token stream")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated sharing methods")
-    p.add_argument("--adapters", default="qv", help="qv | all (committed sets) | DIR with DIR/<agent>/")
-    p.add_argument("--model", help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--json", required=True, help="results file")
-    p.add_argument("--markdown", help="also write the markdown table here")
-    p.add_argument(
-        "--threads", type=int, default=int(os.environ.get("PRECACHE_THREADS", 0)), help="torch threads"
-    )
+    add_common_args(p, ",".join(METHODS))
     p.set_defaults(func=_bench_capacity)

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from pathlib import Path
 
 from rich.console import Console
 
-from precache.bench.common import hf_model_of, methods_with_reference, special_ids
+from precache.bench.common import add_common_args, hf_model_of, methods_with_reference, special_ids
 from precache.resources import adapter_set, trace_path
 
 logger = logging.getLogger(__name__)
@@ -89,17 +88,6 @@ def _fidelity(args: argparse.Namespace) -> int:
     return 0
 
 
-def _common(parser: argparse.ArgumentParser, default_methods: str) -> None:
-    parser.add_argument("--methods", default=default_methods, help="comma-separated sharing methods")
-    parser.add_argument("--adapters", default="qv", help="qv | all (committed sets) | DIR with DIR/<agent>/")
-    parser.add_argument("--model", help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--json", required=True, help="results file")
-    parser.add_argument("--markdown", help="also write a markdown table here")
-    parser.add_argument(
-        "--threads", type=int, default=int(os.environ.get("PRECACHE_THREADS", 0)), help="torch threads"
-    )
-
-
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``bench trace`` and ``fidelity`` on the ``precache`` parser."""
     from precache.methods import METHODS
@@ -127,7 +115,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="tokens of RoPE tables past the model's own length (paper_L4096 needs 17,296 on SmolLM2's 8,192)",
     )
-    _common(trace, ",".join(METHODS))
+    add_common_args(trace, ",".join(METHODS))
     trace.set_defaults(func=_bench_trace)
 
     fidelity = sub.add_parser("fidelity", help="KL, top-1, base-cache error and answers vs NonShared")
@@ -139,5 +127,5 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     fidelity.add_argument(
         "--concurrency", type=int, default=1, help="questions run at once, their forwards batched per engine"
     )
-    _common(fidelity, ",".join(METHODS))
+    add_common_args(fidelity, ",".join(METHODS))
     fidelity.set_defaults(func=_fidelity)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import os
+from pathlib import Path
+
 from precache.errors import UnknownMethodError
 
 
@@ -31,3 +35,31 @@ def hf_model_of(model):
 def special_ids(model) -> list[int]:
     """Token ids a random benchmark stream leaves out (the tokenizer's special tokens)."""
     return list(getattr(model.tokenizer, "all_special_ids", []) or [])
+
+
+def add_common_args(parser: argparse.ArgumentParser, default_methods: str | None) -> None:
+    """``--adapters --model --json --markdown --threads`` (and ``--methods`` unless None)."""
+    if default_methods is not None:
+        parser.add_argument("--methods", default=default_methods, help="comma-separated sharing methods")
+    parser.add_argument("--adapters", default="qv", help="qv | all (committed sets) | DIR with DIR/<agent>/")
+    parser.add_argument("--model", help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--json", required=True, help="results file")
+    parser.add_argument("--markdown", help="also write the markdown table here")
+    parser.add_argument(
+        "--threads", type=int, default=int(os.environ.get("PRECACHE_THREADS", 0)), help="torch threads"
+    )
+
+
+def write_results(result: dict, markdown: str, args: argparse.Namespace) -> int:
+    """Record the command's arguments in ``result``, write it to ``--json``, print ``markdown`` and
+    write it to ``--markdown`` when given. Returns the exit code 0."""
+    from rich.console import Console
+
+    from precache.bench import report
+
+    result["config"] = {k: v for k, v in vars(args).items() if k != "func"}
+    report.write_json(result, args.json)
+    Console().print(markdown)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown, encoding="utf-8")
+    return 0

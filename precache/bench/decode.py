@@ -9,11 +9,11 @@ after a ``prompt_len``-token random prompt, with the same adapter; only the deco
 from __future__ import annotations
 
 import argparse
-import os
 import time
-from pathlib import Path
 
 import torch
+
+from precache.bench.common import add_common_args, write_results
 
 
 def engine_decode(engine, agent: str, prompts: list[list[int]], new_tokens: int) -> dict:
@@ -54,10 +54,8 @@ def hf_peft_decode(peft_model, prompt: list[int], new_tokens: int) -> dict:
 
 def _bench_decode(args: argparse.Namespace) -> int:
     from peft import PeftModel
-    from rich.console import Console
 
     import precache
-    from precache.bench import report
     from precache.bench.common import hf_model_of
     from precache.resources import adapter_set
 
@@ -80,9 +78,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
         "engine": ours,
         "hf_peft": theirs,
         "speedup": ours["tokens_per_s"] / theirs["tokens_per_s"],
-        "config": {k: v for k, v in vars(args).items() if k != "func"},
     }
-    report.write_json(result, args.json)
     text = (
         f"| side | trajectories | decode tokens | seconds | tokens/s |\n|---|---:|---:|---:|---:|\n"
         f"| precache {args.method} | {args.concurrency} | {ours['tokens']} | {ours['seconds']:.2f} | "
@@ -90,10 +86,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
         f"| hf-peft | 1 | {theirs['tokens']} | {theirs['seconds']:.2f} | {theirs['tokens_per_s']:.1f} |\n\n"
         f"Speed-up: {result['speedup']:.2f}x\n"
     )
-    Console().print(text)
-    if args.markdown:
-        Path(args.markdown).write_text(text, encoding="utf-8")
-    return 0
+    return write_results(result, text, args)
 
 
 def add_bench_decode(bench_sub) -> None:
@@ -105,11 +98,5 @@ def add_bench_decode(bench_sub) -> None:
     p.add_argument("--agent", default="plan", help="the adapter both sides decode with")
     p.add_argument("--method", default="prelrshared", help="the engine's sharing method")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    p.add_argument("--adapters", default="qv", help="qv | all (committed sets) | DIR with DIR/<agent>/")
-    p.add_argument("--model", help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--json", required=True, help="results file")
-    p.add_argument("--markdown", help="also write the markdown table here")
-    p.add_argument(
-        "--threads", type=int, default=int(os.environ.get("PRECACHE_THREADS", 0)), help="torch threads"
-    )
+    add_common_args(p, None)
     p.set_defaults(func=_bench_decode)

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
-from pathlib import Path
 
 from tqdm import tqdm
 
+from precache.bench.common import add_common_args, write_results
 from precache.engine.request import Turn
 
 
@@ -64,12 +63,10 @@ def episode_markdown(result: dict) -> str:
 
 def _bench_episodes(args: argparse.Namespace) -> int:
     import torch
-    from rich.console import Console
 
     import precache
     from precache.agents.data import load_questions
     from precache.agents.loop import run_episode
-    from precache.bench import report
     from precache.bench.common import methods_with_reference
     from precache.engine.scheduler import run_concurrently
     from precache.resources import adapter_set
@@ -94,13 +91,7 @@ def _bench_episodes(args: argparse.Namespace) -> int:
         desc="record",
     )
     result = episode_ttft(engines, [e.turns for e in episodes])
-    result["config"] = {k: v for k, v in vars(args).items() if k != "func"}
-    report.write_json(result, args.json)
-    text = episode_markdown(result)
-    Console().print(text)
-    if args.markdown:
-        Path(args.markdown).write_text(text, encoding="utf-8")
-    return 0
+    return write_results(result, episode_markdown(result), args)
 
 
 def add_bench_episodes(bench_sub) -> None:
@@ -113,12 +104,5 @@ def add_bench_episodes(bench_sub) -> None:
     p.add_argument("--max-steps", type=int, default=8, help="plan steps per episode")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per agent turn")
     p.add_argument("--concurrency", type=int, default=4, help="episodes recorded at once")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated sharing methods")
-    p.add_argument("--adapters", default="qv", help="qv | all (committed sets) | DIR with DIR/<agent>/")
-    p.add_argument("--model", help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--json", required=True, help="results file")
-    p.add_argument("--markdown", help="also write the markdown table here")
-    p.add_argument(
-        "--threads", type=int, default=int(os.environ.get("PRECACHE_THREADS", 0)), help="torch threads"
-    )
+    add_common_args(p, ",".join(METHODS))
     p.set_defaults(func=_bench_episodes)
