@@ -4,10 +4,14 @@ from precache.config import SamplingParams
 from precache.engine import Engine, Session, Turn
 from precache.errors import (
     AdapterError,
+    CacheCapacityError,
     ContextLengthError,
     EmptyRequestError,
     ModelLoadError,
+    OutOfBlocksError,
     PrecacheError,
+    RequestCancelledError,
+    SessionBusyError,
     UnknownAdapterError,
     UnknownMethodError,
 )
@@ -20,14 +24,18 @@ __version__ = "0.1.0"
 __all__ = [
     "METHODS",
     "AdapterError",
+    "CacheCapacityError",
     "ContextLengthError",
     "EmptyRequestError",
     "Engine",
     "LoRAAdapter",
     "ModelLoadError",
+    "OutOfBlocksError",
     "PrecacheError",
+    "RequestCancelledError",
     "SamplingParams",
     "Session",
+    "SessionBusyError",
     "Turn",
     "UnknownAdapterError",
     "UnknownMethodError",
