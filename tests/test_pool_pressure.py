@@ -55,3 +55,11 @@ def test_rows_that_do_not_fit_wait_instead_of_failing_the_batch(tiny):
     want = make_engine(model, dirs, "prelrshared").session()
     want.append(_ids(3, 40))
     assert turn.token_ids == want.generate("plan", max_new_tokens=4).token_ids
+
+
+@pytest.mark.parametrize("options", [{"block_size": 0}, {"block_size": 2.5}, {"kv_cache_bytes": "1e9"}])
+def test_bad_pool_options_are_refused_by_name(tiny, options):
+    model, dirs, _ = tiny
+    name = next(iter(options))
+    with pytest.raises(ValueError, match=name):
+        make_engine(model, dirs, "prelrshared", **options)

@@ -222,7 +222,9 @@ class Scheduler:
         try:
             logits = self.forward([p for plans in batch.plans for p in plans])
         except Exception as exc:
-            if isinstance(exc, PrecacheError):  # e.g. the block pool is full: the requests say why
+            if isinstance(exc, OutOfBlocksError):  # expected under memory pressure: the request says why
+                logger.info("the block pool is full (%s); failing %d requests", exc, len(batch.requests))
+            elif isinstance(exc, PrecacheError):
                 logger.warning(
                     "a batched forward failed (%s); failing its %d requests", exc, len(batch.requests)
                 )

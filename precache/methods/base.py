@@ -57,6 +57,7 @@ class SharingMethod(ABC):
     Raises:
         AdapterError: a split method with a k_proj LoRA on a model with a per-head k-norm (Qwen3).
         CacheCapacityError: ``kv_cache_bytes`` holds no block.
+        ValueError: ``block_size`` is not an integer >= 1, or ``kv_cache_bytes`` not an integer.
     """
 
     name: ClassVar[str]
@@ -80,6 +81,12 @@ class SharingMethod(ABC):
                         f"adapter '{name}' has a k_proj LoRA; under {self.name} the key is split into base + LR, "
                         f"which the per-head k-norm of {c.model_type} does not allow (use v/q/o/MLP targets)"
                     )
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1 (tokens per block), got {block_size!r}")
+        if kv_cache_bytes is not None and (
+            isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, int)
+        ):
+            raise ValueError(f"kv_cache_bytes must be an integer number of bytes, got {kv_cache_bytes!r}")
         lr_ranks = {}
         if self.splits_kv:
             lr_ranks = {
