@@ -1,8 +1,9 @@
-"""Files that ship with the checkout: the committed adapter sets and the benchmark traces.
+"""Files that ship inside the package: the committed adapter sets and the benchmark traces.
 
-Every command that accepts ``--adapters qv|all`` or a shipped trace name resolves it here, so the
-layout (``adapters/smollm2-135m/<set>/<agent>/``, ``benchmarks/traces/<name>.csv``) is written
-down once.
+They live under ``precache/assets/`` (package data, so an installed, non-editable precache finds
+them from any directory). Every command that accepts ``--adapters NAME|DIR`` or ``--trace
+NAME|FILE`` resolves it here, so the layout (``assets/adapters/smollm2-135m/<set>/<agent>/``,
+``assets/traces/<name>.csv``) is written down once.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from pathlib import Path
 
 from precache.errors import AdapterError, TraceError
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+#: package data shipped with precache (adapters, traces, the HotpotQA subset)
+ASSETS = Path(__file__).resolve().parent / "assets"
 #: the committed PEFT adapters of the embedded SmolLM2-135M-Instruct, one folder per set
-ADAPTER_ROOT = REPO_ROOT / "adapters" / "smollm2-135m"
+ADAPTER_ROOT = ASSETS / "adapters" / "smollm2-135m"
 #: ``qv``: LoRA on q_proj and v_proj (the paper's setting); ``all``: the seven projections
 ADAPTER_SETS = ("qv", "all")
-TRACE_ROOT = REPO_ROOT / "benchmarks" / "traces"
+TRACE_ROOT = ASSETS / "traces"
 
 
 def adapter_set(name_or_dir: str | os.PathLike, agents: Iterable[str] | None = None) -> dict[str, Path]:
@@ -50,13 +52,13 @@ def adapter_set(name_or_dir: str | os.PathLike, agents: Iterable[str] | None = N
 
 
 def shipped_traces() -> list[str]:
-    """Names of the traces under ``benchmarks/traces/`` (``paper_L1024``, ``smoke``, ...)."""
+    """Names of the shipped traces (``precache/assets/traces/*.csv``: ``paper_L1024``, ``smoke``, ...)."""
     return sorted(p.stem for p in TRACE_ROOT.glob("*.csv"))
 
 
 def trace_path(name_or_file: str | os.PathLike) -> Path:
     """A trace CSV file: an existing path as given, else the shipped trace of that name
-    (``paper_L1024`` -> ``benchmarks/traces/paper_L1024.csv``).
+    (``paper_L1024`` -> ``precache/assets/traces/paper_L1024.csv``).
 
     Raises:
         TraceError: neither a file nor a shipped trace; the message lists the shipped ones.

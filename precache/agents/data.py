@@ -1,8 +1,8 @@
 """HotpotQA questions (distractor setting) for the plan / action / reflect agents.
 
-The data folder is ``data/`` at the repository root (``Path(__file__).parents[2] / "data"``),
-or ``$PRECACHE_DATA`` when set. It holds ``hotpotqa/{easy,medium}.jsonl`` and the fixed
-train / dev split ``hotpotqa/split.json`` (see ``data/hotpotqa/README.md``).
+The data folder is the package's ``precache/assets/`` (package data, found from an installed
+package too), or ``$PRECACHE_DATA`` when set. It holds ``hotpotqa/{easy,medium}.jsonl`` and the
+fixed train / dev split ``hotpotqa/split.json`` (see ``precache/assets/hotpotqa/README.md``).
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ class Question:
 
 
 def data_dir() -> Path:
-    """The data folder: ``$PRECACHE_DATA`` or the repository's ``data/``."""
+    """The data folder: ``$PRECACHE_DATA`` or the package's ``precache/assets/``."""
     env = os.environ.get("PRECACHE_DATA")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "data"
+    return Path(env) if env else Path(__file__).resolve().parents[1] / "assets"
 
 
 def hotpotqa_dir() -> Path:
