@@ -32,7 +32,7 @@ demo: $(STAMP)
 METHODS := nonshared,fullshared,baseshared,prelrshared,rebaseshared-lp,rebaseshared-db
 bench: $(STAMP)
 	mkdir -p benchmarks/results
-	HF_HUB_OFFLINE=1 $(PY) -m precache.cli bench trace --trace benchmarks/traces/paper_L1024.csv \
+	HF_HUB_OFFLINE=1 $(PY) -m precache.cli bench trace --trace paper_L1024 \
 	  --adapters qv --methods $(METHODS) --repeats 3 --threads 2 \
 	  --json benchmarks/results/trace_L1024_qv.json --markdown benchmarks/results/trace_L1024_qv.md \
 	  --plot benchmarks/results/trace_L1024_qv.png
