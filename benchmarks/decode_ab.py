@@ -14,7 +14,7 @@ import precache
 
 torch.set_num_threads(2)
 method = sys.argv[1] if len(sys.argv) > 1 else "prelrshared"
-root = Path(__file__).resolve().parents[1] / "adapters" / "smollm2-135m" / "qv"
+root = Path(__file__).resolve().parents[1] / "precache" / "assets" / "adapters" / "smollm2-135m" / "qv"
 model = precache.load_model()
 engine = precache.Engine(model, adapters={a: root / a for a in ("plan", "action", "reflect")}, method=method)
 session = engine.session()

@@ -6,7 +6,7 @@ message); in the turn, the agent generates exactly ``decode_len`` tokens. The tr
 of a trace is the sum of both columns over all turns.
 
 The paper traces (PReCache, trace-replay experiments) alternate a long planner read with short
-action / reflect turns; :func:`paper_trace` builds them and ``benchmarks/traces/`` ships them.
+action / reflect turns; :func:`paper_trace` builds them and ``precache/assets/traces/`` ships them.
 """
 
 from __future__ import annotations
