@@ -22,13 +22,12 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from tqdm import tqdm
-
 from precache.cache.plan import blocks_needed
 from precache.cache.pool import KVPool
 from precache.engine.request import Request, RequestState, StreamChunk
 from precache.engine.turn import SteppedTurn, TurnPhase
 from precache.errors import OutOfBlocksError, PrecacheError
+from precache.terminal import progress
 
 logger = logging.getLogger(__name__)
 
@@ -272,8 +271,9 @@ def run_concurrently(
     fn: Callable[[T], R], items: Iterable[T], concurrency: int = 1, desc: str | None = None
 ) -> list[R]:
     """``[fn(item) for item in items]`` on ``concurrency`` threads, results in the order of ``items``,
-    with a progress bar when ``desc`` is given. Threads whose ``fn`` waits on engine requests drive
-    the engine's steps together, so their forwards are batched (:meth:`Scheduler.drive`);
+    with a progress bar when ``desc`` is given (on a terminal: :func:`precache.terminal.progress`).
+    Threads whose ``fn`` waits on engine requests drive the engine's steps together, so their
+    forwards are batched (:meth:`Scheduler.drive`);
     ``concurrency=1`` runs in the calling thread. The first exception is raised once the started
     items are over (the others are not started).
 
@@ -283,18 +283,18 @@ def run_concurrently(
     if concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, got {concurrency}")
     items = list(items)
-    with tqdm(total=len(items), desc=desc, unit="item", disable=desc is None) as bar:
+    with progress(len(items), desc) as advance:
         if concurrency == 1:
             out = []
             for item in items:
                 out.append(fn(item))
-                bar.update()
+                advance()
             return out
         with ThreadPoolExecutor(min(concurrency, max(len(items), 1)), thread_name_prefix="precache") as pool:
             futures = [pool.submit(fn, item) for item in items]
             error: BaseException | None = None
             for future in as_completed(futures):
-                bar.update()
+                advance()
                 if error is None and not future.cancelled() and future.exception() is not None:
                     error = future.exception()
                     for f in futures:
