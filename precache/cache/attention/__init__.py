@@ -1,4 +1,5 @@
-"""Attention over the block pool: the batch interface, the backend registry and the torch reference."""
+"""Attention over the block pool: the batch interface, the backend registry, the torch reference and
+the fused Triton kernel (``triton``, optional: imported when that backend is built)."""
 
 from precache.cache.attention.base import (
     BACKENDS,
@@ -11,6 +12,7 @@ from precache.cache.attention.base import (
 )
 from precache.cache.attention.segments import DECODE_MAX, Segment, attend
 from precache.cache.attention.torch_backend import TorchBackend
+from precache.cache.attention.triton_backend import TritonBackend, default_backend, triton_available
 
 __all__ = [
     "BACKENDS",
@@ -21,7 +23,10 @@ __all__ = [
     "RowAttention",
     "Segment",
     "TorchBackend",
+    "TritonBackend",
     "attend",
+    "default_backend",
     "get_backend",
     "register_backend",
+    "triton_available",
 ]

@@ -1,0 +1,276 @@
+"""The ``triton`` attention backend: one fused kernel per layer over every row of the batch.
+
+The kernel (:mod:`precache.cache.attention.triton_kernels`) reads the pool in place through a slot
+table per row and computes ``softmax(q K^T / sqrt(D)) (Vb + s Lv B^v)`` with
+``K = Kb + RoPE(s Lk B^k)`` (DESIGN.md, Notation) without materialising ``K`` or ``V``: prefill
+continuations, decode rows, GQA and ReBaseShared DB's adapter-free rows all go in one launch.
+Everything the kernel needs that does not change between layers (slot tables, tiles, ranks, the
+adapters' stacked ``B``) is built once per forward, on the host, then copied to the device once.
+
+What it refuses, falling back to the torch reference for the whole forward (logged once at INFO):
+a row whose reads carry two different adapters or LR column sets, reads from several pools, a
+query dtype that differs from the pool's, and rows with a sliding window (``window`` on a row of
+the metadata), which the kernel does not mask.
+
+Chosen by default when the model is on CUDA and triton is installed (:func:`default_backend`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from precache.cache.attention.base import AttentionBackend, BatchMetadata, register_backend
+from precache.cache.attention.torch_backend import TorchBackend
+
+logger = logging.getLogger(__name__)
+
+_PREPARED_ADAPTER_STACKS = 8  # adapter sets whose stacked B are kept (one per distinct batch mix)
+
+
+def triton_available() -> bool:
+    """True when ``import triton`` works."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def default_backend(device) -> str:
+    """``"triton"`` on CUDA when triton is installed, else ``"torch"``."""
+    on_cuda = torch.device(device or "cpu").type == "cuda"
+    return "triton" if on_cuda and triton_available() else "torch"
+
+
+def _pow2_at_least_16(n: int) -> int:
+    return max(16, 1 << max(0, n - 1).bit_length())
+
+
+@dataclass
+class _Prepared:
+    """One forward's kernel inputs (device tensors), valid for every layer."""
+
+    pool: object
+    key_slot: torch.Tensor  # [n_keys] int32 pool rows, row after row
+    key_pos: torch.Tensor  # [n_keys] int32 trajectory positions
+    key_lr: torch.Tensor  # [n_keys] int8: 1 where the read adds the row adapter's LR part
+    rows: torch.Tensor  # [7, n_rows] int32: key offset, first query, queries, q_start, adapter, col k, col v
+    rank_k: torch.Tensor  # [n_layers, n_rows] int32 (0: no k_proj LoRA at that layer)
+    rank_v: torch.Tensor  # [n_layers, n_rows] int32
+    tiles: torch.Tensor  # [3, n_tiles] int32: row, first query slot, keys visible to the tile
+    b: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # sB^k, rot(sB^k), sB^v [L, n_ad, Hkv, R, D]
+    r_pad: int
+    block_m: int
+    n_splits: int
+    has_k: bool
+    has_v: bool
+
+
+@register_backend
+class TritonBackend(AttentionBackend):
+    """Paged attention with the LR terms fused, in one Triton kernel per layer.
+
+    ``num_splits`` fixes the number of key splits per program (flash-decoding); None picks one
+    from the device's multiprocessor count (1 on CPU, where the kernel runs in Triton's
+    interpreter, ``TRITON_INTERPRET=1``). ``block_n`` is the key tile (tokens).
+
+    Raises:
+        ImportError: triton is not installed (``pip install 'precache[triton]'``).
+    """
+
+    name = "triton"
+
+    def __init__(self, num_splits: int | None = None, block_n: int = 64):
+        if not triton_available():
+            raise ImportError("the 'triton' attention backend needs triton: pip install 'precache[triton]'")
+        from precache.cache.attention import triton_kernels
+
+        self._kernels = triton_kernels
+        self.num_splits, self.block_n = num_splits, block_n
+        self._torch = TorchBackend()
+        self._meta: BatchMetadata | None = None
+        self._prepared: _Prepared | None = None
+        self._stacks: dict[tuple, tuple] = {}
+        self._refused: set[str] = set()
+
+    # -- per forward -----------------------------------------------------------------------------
+    def _refusal(self, q: torch.Tensor, meta: BatchMetadata) -> str | None:
+        pools = {id(read.pool) for row in meta.rows for read in row.reads}
+        if len(pools) > 1:
+            return "the rows read several pools"
+        for row in meta.rows:
+            if getattr(row, "window", None) is not None:
+                return "a row has a sliding window"
+            lr = {(id(r.adapter), str(r.lr_cols)) for r in row.reads if r.lr_cols is not None}
+            if len(lr) > 1:
+                return "a row reads the LR caches of two adapters"
+        pool = meta.rows[0].reads[0].pool if meta.rows and meta.rows[0].reads else None
+        if pool is not None and pool.k.dtype != q.dtype:
+            return f"queries are {q.dtype} but the pool holds {pool.k.dtype}"
+        return None
+
+    def _adapter_stack(self, adapters: list, model, r_pad: int) -> tuple[torch.Tensor, ...]:
+        """``(sB^k, rot(sB^k), sB^v)`` ``[n_layers, n_adapters, Hkv, r_pad, D]`` (zeros where a layer
+        has no LoRA on the projection), ``rot`` = RoPE's rotate-half on each head's columns."""
+        key = (tuple(id(a) for a in adapters), r_pad)
+        if key in self._stacks:
+            return self._stacks[key][1]
+        c = model.config
+        hkv, d = c.num_kv_heads, c.head_dim
+        shape = (c.num_layers, len(adapters), hkv, r_pad, d)
+        bk, bv = (torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(2))
+        for i, adapter in enumerate(adapters):
+            for layer in range(c.num_layers):
+                for proj, dst in (("k_proj", bk), ("v_proj", bv)):
+                    if adapter.has(layer, proj):
+                        b = adapter.weights[(layer, proj)][1] * adapter.scaling  # [r, Hkv * D]
+                        dst[layer, i, :, : b.shape[0]] = b.view(b.shape[0], hkv, d).transpose(0, 1)
+        half = d // 2
+        bkrot = torch.cat((-bk[..., half:], bk[..., :half]), dim=-1)
+        if len(self._stacks) >= _PREPARED_ADAPTER_STACKS:
+            self._stacks.pop(next(iter(self._stacks)))
+        self._stacks[key] = (adapters, (bk.contiguous(), bkrot.contiguous(), bv.contiguous()))
+        return self._stacks[key][1]
+
+    def _prepare(self, q: torch.Tensor, meta: BatchMetadata, model) -> _Prepared:
+        c = model.config
+        group = c.num_heads // c.num_kv_heads
+        pool = meta.rows[0].reads[0].pool
+        slots, positions, lr_flags, rows, tiles = [], [], [], [], []
+        adapters: list = []
+        rank_k = [[0] * len(meta.rows) for _ in range(c.num_layers)]
+        rank_v = [[0] * len(meta.rows) for _ in range(c.num_layers)]
+        max_slots = max((row.q_rows.stop - row.q_rows.start) * group for row in meta.rows)
+        block_m = 16 if max_slots <= 16 else 64
+        key_off = 0
+        for i, row in enumerate(meta.rows):
+            ad_index = col_k = col_v = 0
+            for read in row.reads:
+                n = read.end - read.start
+                rr = read.rows
+                slots.append(torch.arange(rr.start, rr.start + n) if isinstance(rr, slice) else rr.cpu())
+                positions.append(torch.arange(read.start, read.end))
+                lr_flags.append(torch.full((n,), int(read.lr_cols is not None and read.adapter is not None)))
+                if read.lr_cols is not None and read.adapter is not None:
+                    adapter = read.adapter
+                    if not any(a is adapter for a in adapters):
+                        adapters.append(adapter)
+                    ad_index = next(j for j, a in enumerate(adapters) if a is adapter)
+                    (ks, vs), (col_k, col_v) = read.lr_cols, (read.lr_cols[0].start, read.lr_cols[1].start)
+                    for layer in range(c.num_layers):
+                        rank_k[layer][i] = (ks.stop - ks.start) if adapter.has(layer, "k_proj") else 0
+                        rank_v[layer][i] = (vs.stop - vs.start) if adapter.has(layer, "v_proj") else 0
+            n_q = row.q_rows.stop - row.q_rows.start
+            rows.append((key_off, row.q_rows.start, n_q, row.q_start, ad_index, col_k, col_v))
+            for m0 in range(0, n_q * group, block_m):
+                last = row.q_start + min(n_q - 1, (m0 + block_m - 1) // group)  # last query position
+                visible = sum(max(0, min(r.end, last + 1) - r.start) for r in row.reads)
+                tiles.append((i, m0, visible))
+            key_off += sum(r.end - r.start for r in row.reads)
+        r_pad = _pow2_at_least_16(max((a.rank for a in adapters), default=1))
+        device = q.device
+        as_int = {"dtype": torch.int32, "device": device}
+        has_k = any(any(r) for r in rank_k)
+        has_v = any(any(r) for r in rank_v)
+        n_tiles = len(tiles)
+        return _Prepared(
+            pool=pool,
+            key_slot=torch.cat(slots).to(**as_int),
+            key_pos=torch.cat(positions).to(**as_int),
+            key_lr=torch.cat(lr_flags).to(dtype=torch.int8, device=device),
+            rows=torch.tensor(rows, **as_int).T.contiguous(),
+            rank_k=torch.tensor(rank_k, **as_int),
+            rank_v=torch.tensor(rank_v, **as_int),
+            tiles=torch.tensor(tiles, **as_int).T.contiguous(),
+            b=self._adapter_stack(adapters, model, r_pad) if adapters else None,
+            r_pad=r_pad,
+            block_m=block_m,
+            n_splits=self._splits(n_tiles * c.num_kv_heads, max(t[2] for t in tiles), device),
+            has_k=has_k,
+            has_v=has_v,
+        )
+
+    def _splits(self, programs: int, max_keys: int, device: torch.device) -> int:
+        """Key splits per program: enough programs for two waves of the GPU's multiprocessors, each
+        split at least four key tiles long."""
+        if self.num_splits is not None:
+            return self.num_splits
+        if device.type != "cuda":
+            return 1
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(math.ceil(2 * sms / programs), max_keys // (4 * self.block_n)))
+
+    # -- per layer -------------------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, layer: int, meta: BatchMetadata, model) -> torch.Tensor:
+        """Attention of every row at ``layer``: ``q`` ``[N, n_heads, head_dim]`` -> ``[N, n_heads * head_dim]``."""
+        if self._meta is not meta:
+            reason = self._refusal(q, meta)
+            self._meta, self._prepared = meta, None if reason else self._prepare(q, meta, model)
+            if reason and reason not in self._refused:
+                self._refused.add(reason)
+                logger.info("triton attention backend: %s; this forward runs the torch reference", reason)
+        if self._prepared is None:
+            return self._torch.forward(q, layer, meta, model)
+        return self._launch(q, layer, self._prepared, model)
+
+    def _launch(self, q: torch.Tensor, layer: int, p: _Prepared, model) -> torch.Tensor:
+        c = model.config
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        n, hq, d = q.shape
+        pool = p.pool
+        k, v, lr = pool.k[layer], pool.v[layer], pool.lr[layer]
+        out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
+        if p.n_splits > 1:
+            part_o = torch.empty(p.n_splits, n, hq, d, dtype=torch.float32, device=q.device)
+            part_ml = torch.empty(p.n_splits, n, hq, 2, dtype=torch.float32, device=q.device)
+        else:
+            part_o = part_ml = out
+        bk, bkrot, bv = (x[layer] for x in p.b) if p.b is not None else (out, out, out)
+        cos, sin = model.rope.cos, model.rope.sin
+        grid = (p.tiles.shape[1], c.num_kv_heads, p.n_splits)
+        self._kernels.paged_lora_attention[grid](
+            q,
+            out,
+            k,
+            v,
+            lr,
+            p.key_slot,
+            p.key_pos,
+            p.key_lr,
+            *p.rows,
+            p.rank_k[layer],
+            p.rank_v[layer],
+            bk,
+            bkrot,
+            bv,
+            cos,
+            sin,
+            *p.tiles,
+            part_o,
+            part_ml,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            lr.stride(0),
+            cos.stride(0),
+            n,
+            math.log2(math.e) / math.sqrt(d),
+            G=hq // c.num_kv_heads,
+            HKV=c.num_kv_heads,
+            D=d,
+            D_PAD=_pow2_at_least_16(d),
+            R_PAD=p.r_pad,
+            BLOCK_M=p.block_m,
+            BLOCK_N=self.block_n,
+            HAS_K_LR=p.has_k,
+            HAS_V_LR=p.has_v,
+            SPLIT=p.n_splits > 1,
+        )
+        if p.n_splits > 1:
+            self._kernels.combine_splits(part_o, part_ml, out)
+        return out.view(n, hq * d)
