@@ -7,10 +7,39 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How a turn samples. ``temperature=0`` is greedy and deterministic.
+    """How a turn samples and what text it returns (the fields and defaults of vLLM's
+    ``SamplingParams``). ``temperature=0`` is greedy and deterministic; ``seed`` makes sampling with
+    ``temperature > 0`` reproducible.
 
-    ``stop``: the turn ends right after the token that completes any of these strings (the string
-    stays in the output). ``seed`` makes sampling with ``temperature > 0`` reproducible.
+    Logits, in this order (vLLM's order; each step is off at its default):
+
+    1. ``logit_bias`` ``{token id: bias}`` is added (OpenAI: bias in [-100, 100]);
+    2. while fewer than ``min_tokens`` tokens are out, the stop tokens (the EOS ids unless
+       ``ignore_eos``, and ``stop_token_ids``) are masked to -inf;
+    3. ``repetition_penalty`` (HF transformers' ``RepetitionPenaltyLogitsProcessor``, Keskar et al.
+       2019): for every token id of the prompt and the output, a positive logit is divided by the
+       penalty and a negative one multiplied by it;
+    4. ``frequency_penalty`` and ``presence_penalty`` (the OpenAI formula, over the output tokens):
+       ``logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty``;
+    5. greedy: argmax; else ``temperature``, ``min_p`` (drop tokens with a probability below
+       ``min_p`` times the top one), ``top_k`` (0 or -1: off), ``top_p`` (nucleus), then a draw.
+
+    ``logprobs``: return the log-probability of each sampled token and of the ``logprobs`` most
+    likely ones (:attr:`~precache.engine.request.Turn.logprobs`), computed from the model's raw
+    logits (before step 1; vLLM's default ``raw_logprobs`` mode).
+
+    Text (the OpenAI rule, one rule for the library and the server): the turn ends right after the
+    token that completes a ``stop`` string, or after a stop token (an EOS id unless ``ignore_eos``,
+    or one of ``stop_token_ids``); neither the stop string nor the stop token's text is part of the
+    returned text (``include_stop_str_in_output`` keeps them, as in vLLM); the text a stopping
+    token adds past the stop string is dropped too. Stop strings and stop tokens are not checked
+    before ``min_tokens`` tokens are out. ``skip_special_tokens`` drops special tokens' text
+    (vLLM's default); ``spaces_between_special_tokens`` is the tokenizer's own option of the same
+    name (slow tokenizers; fast ones ignore it).
+
+    Raises:
+        EmptyRequestError: ``max_new_tokens < 1``.
+        ValueError: a field out of range (the message names it).
     """
 
     max_new_tokens: int = 64
@@ -20,15 +49,66 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self):
         from precache.errors import EmptyRequestError
 
         if self.max_new_tokens < 1:
             raise EmptyRequestError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if not 0.0 <= self.temperature <= 2.0:
-            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        checks = [
+            (0.0 <= self.temperature <= 2.0, "temperature must be in [0, 2]", self.temperature),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", self.top_p),
+            (self.top_k >= -1, "top_k must be -1, 0 (off) or positive", self.top_k),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", self.min_p),
+            (self.min_tokens >= 0, "min_tokens must be >= 0", self.min_tokens),
+            (self.repetition_penalty > 0.0, "repetition_penalty must be > 0", self.repetition_penalty),
+            (
+                -2.0 <= self.frequency_penalty <= 2.0,
+                "frequency_penalty must be in [-2, 2]",
+                self.frequency_penalty,
+            ),
+            (
+                -2.0 <= self.presence_penalty <= 2.0,
+                "presence_penalty must be in [-2, 2]",
+                self.presence_penalty,
+            ),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0", self.logprobs),
+            (
+                all(-100.0 <= b <= 100.0 for _, b in self.logit_bias),
+                "logit_bias values must be in [-100, 100]",
+                dict(self.logit_bias),
+            ),
+        ]
+        for ok, message, value in checks:
+            if not ok:
+                raise ValueError(f"{message}, got {value}")
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_new_tokens ({self.max_new_tokens})"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Some logits step (bias, min_tokens, penalties) is on."""
+        return bool(
+            self.logit_bias
+            or self.min_tokens
+            or self.repetition_penalty != 1.0
+            or self.frequency_penalty
+            or self.presence_penalty
+        )

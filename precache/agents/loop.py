@@ -101,10 +101,13 @@ class _Runner:
         except ContextLengthError as exc:
             raise _Stop("context_length") from exc
         self.episode.turns.append(turn)
-        self.episode.pieces.append(prompt.Piece(agent, turn.text))
+        # every generated token stays in the trajectory: the piece is the returned text plus what
+        # the stop rule cut (the stop string and any overshoot), which the parsers read
+        written = turn.text + turn.trimmed
+        self.episode.pieces.append(prompt.Piece(agent, written))
         if self.on_turn is not None:
             self.on_turn(turn)
-        return turn.text
+        return written
 
     def act(self) -> tuple[str, str] | None:
         """One plan (+ action) step. Returns ``(kind, argument)``, or None after an error observation."""

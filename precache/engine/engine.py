@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from precache.cache.attention import default_backend, get_backend
 from precache.cache.plan import run_plans
 from precache.cache.pool import DEFAULT_BLOCK_SIZE
 from precache.engine.request import Request, Turn
@@ -46,10 +47,13 @@ class Engine:
     Every trajectory's caches live in one block pool (``self.pool``) of ``kv_cache_bytes`` bytes
     (default: room for ``n_agents + 2`` caches at the context length), in blocks of
     ``block_size`` tokens, shared by forks and (``prefix_caching``) by trajectories with a common
-    token prefix.
+    token prefix. ``attention_backend`` names the attention kernel (``"torch"`` or ``"triton"``;
+    default: ``"triton"`` on CUDA when triton is installed, else ``"torch"``).
 
     Raises:
         UnknownMethodError: ``method`` does not exist.
+        ValueError: no attention backend has the name ``attention_backend``.
+        ImportError: ``attention_backend="triton"`` without triton installed.
         CacheCapacityError: ``kv_cache_bytes`` holds no block.
         AdapterError: an adapter folder is missing, malformed, or does not fit the model.
     """
@@ -62,6 +66,7 @@ class Engine:
         kv_cache_bytes: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         prefix_caching: bool = True,
+        attention_backend: str | None = None,
     ):
         from precache.methods import METHODS
         from precache.models import load_model
@@ -87,6 +92,7 @@ class Engine:
             prefix_caching=prefix_caching,
         )
         self.pool = self.method.pool
+        self.attention = get_backend(attention_backend or default_backend(self.model.device))
         self.eos_token_ids = self._eos_ids()
         self.scheduler = Scheduler(self._forward, pool=self.pool)
 
@@ -129,11 +135,13 @@ class Engine:
         with TOKENIZER_LOCK:
             return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], **options) -> str:
+        """Text of ``token_ids``; ``options`` go to the tokenizer's ``decode`` (default:
+        ``skip_special_tokens=False``). Without a tokenizer: the ids joined by spaces."""
         if self.tokenizer is None:
             return " ".join(map(str, token_ids))
         with TOKENIZER_LOCK:
-            return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+            return self.tokenizer.decode(token_ids, **{"skip_special_tokens": False, **options})
 
     def decode_piece(self, token_ids: list[int]) -> str:
         """Text the last token of ``token_ids`` adds (context of a few tokens for multi-byte pieces)."""
@@ -143,7 +151,7 @@ class Engine:
     # -- batching: one scheduler, one forward per step -------------------------------------------
     def _forward(self, plans: list) -> list:
         with _forward_lock(self.model):
-            return run_plans(self.model, plans)
+            return run_plans(self.model, plans, self.attention)
 
     def submit(self, request: Request) -> Request:
         """Queue ``request`` (any thread; :meth:`Session.submit` builds and validates one); it joins

@@ -32,8 +32,15 @@ class Turn:
     """One agent's turn on a trajectory: the one record the engine, the agent loop, the benchmarks
     and the server share (built with keywords).
 
-    ``agent``: the adapter (None: base model); ``token_ids``: the generated ids, ``text`` their text;
-    ``stop_reason``: ``eos``, ``stop``, ``length`` or ``cancelled``. Times in seconds: ``ttft_s``
+    ``agent``: the adapter (None: base model); ``token_ids``: the generated ids (all of them stay in
+    the trajectory); ``text``: their text by the OpenAI rule of :class:`~precache.config.SamplingParams`
+    (no stop string, no stop token's text, no partial character); ``trimmed``: the text that rule cut
+    off the end (the stop string and what its token added past it, or the stop token's text), so
+    ``text + trimmed`` is the text of every generated token. ``stop_reason``: ``eos``, ``stop`` (a
+    stop string or a ``stop_token_ids`` id), ``length``, ``cancelled`` or ``error``;
+    ``matched_stop``: the stop string or stop token id that ended the turn (vLLM's
+    ``stop_reason``; None otherwise). ``logprobs``: one :class:`TokenLogprob` per generated token
+    when the turn asked for them. Times in seconds: ``ttft_s``
     from the turn's opening to its first token, ``decode_s`` from there to the last token,
     ``neutral_s`` the post-turn pass (ReBaseShared LP's neutral prefill of ``neutral_tokens``
     tokens, outside the next turn's TTFT). ``prefill_tokens`` counts every row of the prefill
@@ -49,6 +56,9 @@ class Turn:
     token_ids: list[int]
     text: str = ""
     stop_reason: str = ""
+    matched_stop: str | int | None = None
+    trimmed: str = ""
+    logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
     ttft_s: float = 0.0
     decode_s: float = 0.0
     prefill_tokens: int = 0
@@ -84,11 +94,24 @@ class Turn:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's natural-log probability under the model's raw logits, and the ``top``
+    most likely ids with theirs (most likely first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class StreamChunk:
-    """A token as it is sampled, with the text it adds ("" for an end-of-sequence token)."""
+    """A token as it is sampled, with the text that is now safe to send (whole characters only,
+    no part of a possible stop string: often "", and several tokens' text at once later; the
+    chunks' texts concatenate to :attr:`Turn.text`), and its log-probabilities when asked for."""
 
     token_id: int
     text: str
+    logprob: TokenLogprob | None = None
 
 
 class RequestState(enum.Enum):

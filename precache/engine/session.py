@@ -143,7 +143,9 @@ class Session:
     def generate(self, agent: str | None = None, **kwargs) -> Turn:
         """Run one turn for ``agent`` (None: base model) and return it. Keyword arguments are
         :class:`~precache.config.SamplingParams` fields (``max_new_tokens``, ``temperature``, ``stop``,
-        ``ignore_eos``, ...). Another thread's turn on this session runs first.
+        ``ignore_eos``, ``logprobs``, ``logit_bias`` as ``{token id: bias}``, ...). The text follows
+        the OpenAI rule (no stop string, no EOS text: see ``SamplingParams``) and is the
+        concatenation of :meth:`stream`'s chunks. Another thread's turn on this session runs first.
 
         Raises:
             UnknownAdapterError, EmptyRequestError, ContextLengthError, ValueError: bad request;
@@ -160,7 +162,10 @@ class Session:
         return self.engine.submit(Request(self, agent, self.validate(agent, kwargs)))
 
     def stream(self, agent: str | None = None, **kwargs) -> Iterator[StreamChunk]:
-        """Like :meth:`generate`, yielding each token as it is sampled; the turn lands in ``last_turn``.
+        """Like :meth:`generate`, yielding each token as it is sampled with the text it makes safe to
+        send (:class:`~precache.engine.request.StreamChunk`: never a partial character nor the start
+        of a stop string; the chunks' texts concatenate to the turn's text); the turn lands in
+        ``last_turn``.
 
         Validation happens on the call, and the request joins the batch at once; leaving the
         iterator early cancels the turn (its tokens so far stay in the trajectory).
@@ -192,10 +197,21 @@ class Session:
         if agent is not None and agent not in self.engine.adapters:
             loaded = ", ".join(self.engine.adapters) or "none"
             raise UnknownAdapterError(f"adapter '{agent}' is not loaded (loaded: {loaded})")
+        kwargs = dict(kwargs)
         if "stop" in kwargs:
             stop = kwargs["stop"]
             kwargs["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if "stop_token_ids" in kwargs:
+            kwargs["stop_token_ids"] = tuple(int(t) for t in kwargs["stop_token_ids"] or ())
+        if isinstance(kwargs.get("logit_bias"), dict):
+            kwargs["logit_bias"] = tuple((int(t), float(b)) for t, b in kwargs["logit_bias"].items())
         params = SamplingParams(**kwargs)
+        vocab = self.engine.model.config.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+            bad = [t if isinstance(t, int) else t[0] for t in ids]
+            bad = [t for t in bad if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name}: token ids must be in [0, {vocab}), got {bad[:5]}")
         self.check_room()
         return params
 

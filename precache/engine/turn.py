@@ -15,8 +15,9 @@ import torch
 
 from precache.cache.plan import RowPlan
 from precache.config import SamplingParams
-from precache.engine.request import Turn
-from precache.engine.sampler import sample
+from precache.engine.detokenize import IncrementalDetokenizer, StopStrings
+from precache.engine.request import TokenLogprob, Turn
+from precache.engine.sampler import sample, shape_logits, token_logprobs
 
 
 class TurnPhase(enum.Enum):
@@ -53,6 +54,21 @@ class SteppedTurn:
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.budget = min(params.max_new_tokens, session.engine.max_context - len(session.token_ids))
         self.out: list[int] = []
+        engine = session.engine
+        self.stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else frozenset(engine.eos_token_ids)
+        )
+        self.detokenizer = IncrementalDetokenizer(
+            lambda ids: engine.decode(
+                ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
+        )
+        self.stops = StopStrings(params.stop, params.include_stop_str_in_output)
+        self.text: list[str] = []  # the pieces sent so far (their concatenation is the turn's text)
+        self.matched_stop: str | int | None = None
+        self.token_logprobs: list[TokenLogprob] = []
         self.logits: list[torch.Tensor] = []
         self.first_logits: torch.Tensor | None = None
         self.finish_reason: str | None = None
@@ -103,9 +119,10 @@ class SteppedTurn:
                 plan.want_logits = False
         return plans
 
-    def advance(self, logits: torch.Tensor | None) -> tuple[int, str] | None:
-        """Take the forward of :meth:`plans`; return ``(token id, text it adds)`` when a token was
-        sampled, None otherwise (an inner prefill chunk or the post-turn pass)."""
+    def advance(self, logits: torch.Tensor | None) -> tuple[int, str, TokenLogprob | None] | None:
+        """Take the forward of :meth:`plans`; return ``(token id, text now safe to send, its
+        log-probabilities or None)`` when a token was sampled, None otherwise (an inner prefill
+        chunk or the post-turn pass)."""
         s = self.session
         s.note_cache_bytes()
         if self.phase is TurnPhase.POST:
@@ -123,15 +140,53 @@ class SteppedTurn:
             self.logits.append(logits)
             token = self.forced[len(self.out)]
         else:
-            token = sample(logits, self.params, self.generator)
+            shaped = logits
+            if self.params.shapes_logits:
+                prompt = s.token_ids[: self.prompt_tokens]
+                shaped = shape_logits(logits, self.params, prompt, self.out, self.stop_ids)
+            token = sample(shaped, self.params, self.generator)
+        logprob = None
+        if self.params.logprobs is not None:
+            lp, top = token_logprobs(logits, token, self.params.logprobs)
+            logprob = TokenLogprob(token, lp, tuple(top))
+            self.token_logprobs.append(logprob)
         self.out.append(token)
         s.token_ids.append(token)
         if len(self.out) == 1:
             self.t_first = time.perf_counter()
-        reason = self._stop_reason()
+        text, reason = self._text(token)
+        self.text.append(text)
         if reason or len(self.out) >= self.budget:
             self.finish(reason or "length")
-        return token, "" if reason == "eos" else s.engine.decode_piece(self.out)
+            text += self.text[-1]  # what the detokenizer and the stop rule held back
+        return token, text, logprob
+
+    def _text(self, token: int) -> tuple[str, str | None]:
+        """The text ``token`` makes safe to send, and the stop reason it causes (OpenAI rule)."""
+        checked = self.forced is None and len(self.out) >= self.params.min_tokens
+        if checked and token in self.stop_ids:
+            self.matched_stop = token if token in self.params.stop_token_ids else None
+            reason = "stop" if token in self.params.stop_token_ids else "eos"
+            held = self.stops.feed(self.detokenizer.flush(), check=False)[0] + self.stops.flush()
+            piece = self.detokenizer.push(token) + self.detokenizer.flush()
+            if self.params.include_stop_str_in_output:
+                return held + piece, reason
+            self.stops.cut = piece
+            return held, reason
+        text, stop = self.stops.feed(self.detokenizer.push(token), check=checked)
+        if stop is not None:
+            self.matched_stop = stop
+            return text, "stop"
+        return text, None
+
+    def _flush(self) -> str:
+        """What the detokenizer and the stop-string rule still hold when the turn ends."""
+        if self.stops.matched is not None:
+            self.stops.cut += self.detokenizer.flush()
+            return ""
+        if self.finish_reason in ("eos", "stop"):  # a stop token: its text is already placed
+            return ""
+        return self.stops.feed(self.detokenizer.flush(), check=False)[0] + self.stops.flush()
 
     def finish(self, reason: str) -> None:
         """Close the turn now (``reason``: eos, stop, length or cancelled); the tokens so far stay
@@ -139,6 +194,7 @@ class SteppedTurn:
         if self.closed:
             return
         self.finish_reason, self.t_end = reason, time.perf_counter()
+        self.text.append(self._flush())
         self.post = self.method.end_turn(self.session.state, self.agent, self.session.token_ids)
         self.session.last_turn_end = len(self.session.token_ids)
         self.phase = TurnPhase.POST if self.post else TurnPhase.DONE
@@ -158,8 +214,11 @@ class SteppedTurn:
         return Turn(
             agent=self.agent,
             token_ids=list(self.out),
-            text=s.engine.decode(self.out),
+            text="".join(self.text),
             stop_reason=self.finish_reason or "",
+            matched_stop=self.matched_stop,
+            trimmed=self.stops.cut,
+            logprobs=list(self.token_logprobs) if self.params.logprobs is not None else None,
             ttft_s=max(t_first - self.t_open, 0.0),
             decode_s=max(self.t_end - t_first, 0.0),
             prefill_tokens=self.prefill_tokens,
@@ -173,14 +232,3 @@ class SteppedTurn:
             first_logits=self.first_logits,
             logits=torch.stack(self.logits) if self.forced is not None and self.logits else None,
         )
-
-    def _stop_reason(self) -> str | None:
-        if self.forced is not None:
-            return None
-        if not self.params.ignore_eos and self.out[-1] in self.session.engine.eos_token_ids:
-            return "eos"
-        if self.params.stop:
-            tail = self.session.engine.decode(self.out[-16:])
-            if any(stop in tail for stop in self.params.stop):
-                return "stop"
-        return None
