@@ -4,6 +4,10 @@ Each package registers its own sub-commands through an ``add_commands(subparsers
 this module only wires them together. Sub-commands raise :class:`~precache.errors.PrecacheError`
 on bad input and never catch it: :func:`guard`, applied to every sub-command by :func:`main`, turns
 it into one line on stderr and exit code 2.
+
+Quiet by default (:func:`set_verbosity`): precache's own messages at INFO, other libraries only
+at WARNING, no transformers / hub progress bars, no deprecation warnings; ``-v`` shows the
+libraries' INFO logs and warnings, ``-vv`` DEBUG everywhere.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ import argparse
 import functools
 import importlib
 import logging
+import os
 import sys
+import warnings
 from collections.abc import Callable
 
 #: exit code of a command stopped by bad input (a PrecacheError), as argparse's usage errors
@@ -25,7 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="precache", description="KV cache sharing for multi-LoRA agent systems"
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="-v: library logs, progress bars and warnings too; -vv: debug logging",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name in _COMMAND_MODULES:
         try:
@@ -62,11 +74,37 @@ def guard(command: Callable[[argparse.Namespace], int | None]) -> Callable[[argp
     return run
 
 
+def set_verbosity(verbose: int) -> None:
+    """Logging, warnings and library progress bars for ``verbose`` = the number of ``-v`` flags.
+
+    0: precache's loggers at INFO, every other logger at WARNING, transformers at ERROR with no
+    progress bar ("Loading weights"), hub progress bars off, ``DeprecationWarning`` and
+    ``FutureWarning`` ignored. 1: the root logger at INFO, transformers at INFO with its bars,
+    warnings shown. 2 or more: DEBUG everywhere.
+    """
+    root_level = (logging.WARNING, logging.INFO)[verbose] if verbose < 2 else logging.DEBUG
+    logging.basicConfig(level=root_level, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(root_level)
+    logging.getLogger("precache").setLevel(logging.DEBUG if verbose >= 2 else logging.INFO)
+    import huggingface_hub.utils
+    import transformers.utils.logging as hf_logging
+
+    if verbose == 0:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read by processes started later
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        huggingface_hub.utils.disable_progress_bars()
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+    else:
+        hf_logging.set_verbosity(root_level)
+        hf_logging.enable_progress_bar()
+        huggingface_hub.utils.enable_progress_bars()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
-    )
+    set_verbosity(args.verbose)
     return guard(args.func)(args)
 
 

@@ -9,6 +9,8 @@ import logging
 from rich.console import Console
 from rich.table import Table
 
+from precache import terminal
+
 logger = logging.getLogger(__name__)
 
 DEMO_METHODS = ("nonshared", "prelrshared", "rebaseshared-lp")
@@ -38,7 +40,7 @@ def run_demo(
     from precache.agents.prompt import ROLES
 
     adapters = resources.adapter_set(adapter_set, ROLES)
-    console = console or Console(width=max(132, Console().width))
+    console = console or terminal.console()
     model = precache.load_model()
     question = get_question(question_id) if question_id else load_questions("dev")[0]
     console.print(

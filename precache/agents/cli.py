@@ -1,7 +1,8 @@
-"""Sub-commands: ``precache adapters train | check``, ``precache run`` and ``precache eval``.
+"""Sub-commands: ``precache adapters list | train | check``, ``precache run`` and ``precache eval``.
 
 ``run`` and ``eval`` drive the precache engine (``precache.Engine``, ``precache.load_model``),
-imported only when those commands run.
+imported only when those commands run. Every argument that can be checked without the model
+(method, adapters, question files) is checked before the model loads.
 """
 
 from __future__ import annotations
@@ -11,16 +12,42 @@ import json
 import logging
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from precache.agents import prompt
-from precache.agents.data import DatasetError, Question, get_question, load_questions
+from precache.agents.data import (
+    DatasetError,
+    Question,
+    get_question,
+    load_question_file,
+    load_questions,
+    parse_context,
+)
+from precache.bench.common import check_method, positive_int
 from precache.resources import ADAPTER_ROOT, ADAPTER_SETS, adapter_set
+from precache.terminal import console
 
 logger = logging.getLogger(__name__)
 
 REFERENCE_METHOD = "nonshared"
+
+
+def _list(args: argparse.Namespace) -> int:
+    table = Table("set", "agent", "rank", "alpha", "target modules", "folder")
+    for name in ADAPTER_SETS:
+        for agent, folder in adapter_set(name).items():
+            config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+            modules = config.get("target_modules") or []
+            table.add_row(
+                name,
+                agent,
+                str(config.get("r")),
+                str(config.get("lora_alpha")),
+                ",".join(sorted(modules)) if isinstance(modules, list) else str(modules),
+                str(folder),
+            )
+    console().print(table)
+    return 0
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -40,45 +67,73 @@ def _check(args: argparse.Namespace) -> int:
         (ADAPTER_ROOT / name / "FORMCHECK.json").write_text(data, encoding="utf-8")
     (ADAPTER_ROOT / "FORMCHECK.md").write_text(formcheck_markdown(ADAPTER_ROOT), encoding="utf-8")
     for name, report in reports.items():
-        Console().print(format_markdown(name, report))
+        console().print(format_markdown(name, report))
     return 0
 
 
-def _engine(args: argparse.Namespace, method: str, model=None):
-    """A precache engine with the ``args.adapters`` set; loads ``args.model`` unless given ``model``."""
+def _engine(args: argparse.Namespace, method: str, adapters: dict[str, Path], model=None):
+    """A precache engine with ``adapters``; loads ``args.model`` unless given ``model``."""
     import precache
 
     if model is None:
         model = precache.load_model(args.model)
-    return precache.Engine(model, adapters=adapter_set(args.adapters, prompt.ROLES), method=method)
+    return precache.Engine(model, adapters=adapters, method=method)
 
 
-def _custom_question(text: str, paragraphs: Path, answer: str) -> Question:
-    """A question over paragraphs from a JSON file: ``[[title, [sentence, ...]], ...]``."""
-    context = json.loads(paragraphs.read_text(encoding="utf-8"))
+def custom_question(text: str, paragraphs: str | Path, answer: str) -> Question:
+    """A question of your own over paragraphs from a JSON file: ``[[title, [sentence, ...]], ...]``
+    (HotpotQA's ``context``), or ``{"context": [...]}``.
+
+    Raises:
+        DatasetError: the file is missing or not JSON, or the paragraphs have another shape; the
+            message names the file and the field.
+    """
+    path = Path(paragraphs).expanduser()
+    if not path.is_file():
+        raise DatasetError(f"no paragraphs file {path}")
+    try:
+        context = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise DatasetError(f"{path}: not JSON ({exc})") from None
     if isinstance(context, dict):
-        context = context["context"]
-    row = {"id": "custom", "question": text, "answer": answer, "type": "", "level": ""}
-    return Question.from_json({**row, "supporting_facts": [], "context": context})
+        others = [k for k in context if k != "context"]
+        if others:
+            raise DatasetError(
+                f"{path}: field(s) {', '.join(map(repr, others))} are not read by --paragraphs, which takes "
+                '[[title, [sentence, ...]], ...] or {"context": ...} (whole records: eval --data FILE)'
+            )
+        context = context.get("context")
+    return Question(
+        id="custom",
+        question=text,
+        answer=answer,
+        type="",
+        level="",
+        supporting_facts=(),
+        context=parse_context(context, str(path)),
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
     from precache.agents.loop import run_episode
 
-    console = Console()
+    check_method(args.method)
+    adapters = adapter_set(args.adapters, prompt.ROLES)
     if args.paragraphs:
-        question = _custom_question(args.question, Path(args.paragraphs), args.answer or "")
+        question = custom_question(args.question, args.paragraphs, args.answer or "")
+    elif args.answer is not None:
+        raise DatasetError("--answer is the gold answer of a question text: it needs --paragraphs")
     else:
         try:
             question = get_question(args.question)
         except DatasetError as exc:
-            console.print(f"[red]{exc}[/red]; pass --paragraphs FILE to ask a question of your own")
-            return 2
-    engine = _engine(args, args.method)
+            raise DatasetError(f"{exc}; pass --paragraphs FILE to ask a question of your own") from None
+    engine = _engine(args, args.method, adapters)
     episode = run_episode(
         engine.session(), question, max_steps=args.max_steps, max_new_tokens=args.max_new_tokens
     )
-    console.print(episode.trajectory, markup=False, highlight=False)
+    out = console()
+    out.print(episode.trajectory, markup=False, highlight=False)
     table = Table("agent", "TTFT ms", "prefill tokens", "new tokens", "stop")
     for turn in episode.turns:
         table.add_row(
@@ -88,8 +143,8 @@ def _run(args: argparse.Namespace) -> int:
             str(turn.new_tokens),
             turn.stop_reason,
         )
-    console.print(table)
-    console.print(
+    out.print(table)
+    out.print(
         f"answer={episode.answer!r} gold={question.answer!r} EM={episode.em:.0f} F1={episode.f1:.2f} "
         f"stop={episode.stop_reason}"
     )
@@ -102,11 +157,14 @@ def _run(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from precache.agents.evaluate import evaluate
 
-    questions = load_questions(args.split)[: args.limit]
-    engine = _engine(args, args.method)
+    check_method(args.method)
+    adapters = adapter_set(args.adapters, prompt.ROLES)
+    source = args.data or args.split
+    questions = (load_question_file(args.data) if args.data else load_questions(args.split))[: args.limit]
+    engine = _engine(args, args.method, adapters)
     reference = None
     if args.method != REFERENCE_METHOD:
-        reference = _engine(args, REFERENCE_METHOD, model=engine.model).session
+        reference = _engine(args, REFERENCE_METHOD, adapters, model=engine.model).session
     result = evaluate(
         engine.session,
         questions,
@@ -119,19 +177,11 @@ def _eval(args: argparse.Namespace) -> int:
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     summary = result["summary"]
     agreement = summary.get("agreement", 1.0)
-    Console().print(
-        f"{args.method} on {len(questions)} {args.split} questions: EM={summary['em']:.3f} "
+    console().print(
+        f"{args.method} on {len(questions)} questions of {source}: EM={summary['em']:.3f} "
         f"F1={summary['f1']:.3f} agreement with {REFERENCE_METHOD}={agreement:.3f}"
     )
     return 0
-
-
-def _positive(text: str) -> int:
-    """An argparse ``type``: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _engine_options(parser: argparse.ArgumentParser) -> None:
@@ -150,13 +200,17 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``adapters``, ``run`` and ``eval`` on the ``precache`` parser."""
-    adapters = sub.add_parser("adapters", help="train or check the plan / action / reflect adapters")
+    adapters = sub.add_parser("adapters", help="list, train or check the plan / action / reflect adapters")
     adapters_sub = adapters.add_subparsers(dest="adapters_command", required=True)
+    listing = adapters_sub.add_parser(
+        "list", help="the committed adapter sets: agents, rank, targets, folder"
+    )
+    listing.set_defaults(func=_list)
     train = adapters_sub.add_parser("train", help="train one adapter set on gold HotpotQA trajectories")
     train.add_argument("--set", choices=ADAPTER_SETS, default="qv", help="projections the LoRA targets")
     train.add_argument("--steps", type=int, default=60, help="optimizer steps per role (batch 4)")
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--out", help="output folder (default adapters/smollm2-135m/<set>)")
+    train.add_argument("--out", help="output folder (default: the committed set's folder in the package)")
     train.set_defaults(func=_train)
     check = adapters_sub.add_parser("check", help="form check of each role with and without its adapter")
     check.add_argument("--set", nargs="+", choices=ADAPTER_SETS, default=["qv"], help="one or both sets")
@@ -165,18 +219,27 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     run = sub.add_parser("run", help="answer one HotpotQA question with the three agents")
     run.add_argument("--question", required=True, help="a HotpotQA id, or a question text with --paragraphs")
-    run.add_argument("--paragraphs", help="JSON file [[title, [sentence, ...]], ...] for a question text")
+    run.add_argument(
+        "--paragraphs",
+        help='JSON file [[title, [sentence, ...]], ...] or {"context": ...} for a question text',
+    )
     run.add_argument("--answer", help="gold answer of a question text (for EM / F1)")
     run.add_argument("--json", help="write the episode (turns, trajectory, scores) to this file")
     _engine_options(run)
     run.set_defaults(func=_run)
 
-    evaluation = sub.add_parser("eval", help="EM / F1 / agreement with NonShared on a split")
-    evaluation.add_argument("--split", choices=("dev", "train", "all"), default="dev")
-    evaluation.add_argument("--limit", type=int, default=None, help="first N questions of the split")
+    evaluation = sub.add_parser(
+        "eval", help="EM / F1 / agreement with NonShared on a split or your questions"
+    )
+    questions = evaluation.add_mutually_exclusive_group()
+    questions.add_argument("--split", choices=("dev", "train", "all"), default="dev")
+    questions.add_argument(
+        "--data", help="questions of your own: HotpotQA records, one a line (.jsonl) or a JSON list"
+    )
+    evaluation.add_argument("--limit", type=positive_int, default=None, help="first N questions")
     evaluation.add_argument("--json", required=True, help="results file")
     evaluation.add_argument(
-        "--concurrency", type=_positive, default=1, help="episodes run at once, their forwards batched"
+        "--concurrency", type=positive_int, default=1, help="episodes run at once, their forwards batched"
     )
     _engine_options(evaluation)
     evaluation.set_defaults(func=_eval)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from precache.errors import PrecacheError
 
+#: fields of a HotpotQA record (``_id`` is the original dataset's spelling of ``id``)
+RECORD_FIELDS = ("id", "_id", "question", "answer", "context", "supporting_facts", "type", "level")
 LEVELS = ("easy", "medium")
 SPLITS = ("train", "dev", "all")
 SPLIT_SEED = 2018
@@ -128,6 +130,136 @@ def load_questions(split: str = "dev") -> list[Question]:
     else:
         ids = set(make_split(questions)[split])
     return [q for q in questions if q.id in ids]
+
+
+def _kind(value) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def parse_context(value, where: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Check paragraphs in HotpotQA's shape, ``[[title, [sentence, ...]], ...]``, and return them
+    as tuples. As in HotpotQA, every sentence after a paragraph's first starts with a space (one is
+    added where missing), so the tools' ``"".join(sentences)`` reads as text.
+
+    ``where`` starts each error message (a file name, ``FILE line N``).
+
+    Raises:
+        DatasetError: not a non-empty list of pairs, a title that is not a non-empty string or
+            repeats, or sentences that are not a non-empty list of strings; the message names the
+            field (``context[2][1]``).
+    """
+    if not isinstance(value, list) or not value:
+        raise DatasetError(
+            f"{where}: field 'context' must be a non-empty list of [title, [sentence, ...]] pairs, "
+            f"got {_kind(value)}"
+        )
+    seen: set[str] = set()
+    paragraphs = []
+    for i, pair in enumerate(value):
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise DatasetError(f"{where}: field 'context[{i}]' must be a [title, [sentence, ...]] pair")
+        title, sentences = pair
+        if not isinstance(title, str) or not title.strip():
+            raise DatasetError(f"{where}: field 'context[{i}][0]' (title) must be a non-empty string")
+        if title in seen:
+            raise DatasetError(f"{where}: field 'context[{i}][0]': title {title!r} appears twice")
+        seen.add(title)
+        if not isinstance(sentences, list) or not sentences or not all(isinstance(x, str) for x in sentences):
+            raise DatasetError(
+                f"{where}: field 'context[{i}][1]' must be a non-empty list of sentence strings, "
+                f"got {_kind(sentences)}"
+            )
+        spaced = [sentences[0]]
+        for sentence in sentences[1:]:
+            joined = spaced[-1][-1:].isspace() or sentence[:1].isspace()
+            spaced.append(sentence if joined else " " + sentence)
+        paragraphs.append((title, tuple(spaced)))
+    return tuple(paragraphs)
+
+
+def _text_field(row: dict, name: str, where: str, required: bool = True) -> str:
+    value = row.get(name, None if required else "")
+    if not isinstance(value, str) or (required and not value.strip()):
+        raise DatasetError(f"{where}: field '{name}' must be a non-empty string, got {_kind(value)}")
+    return value
+
+
+def parse_record(row, where: str) -> Question:
+    """A :class:`Question` from one HotpotQA record, checked field by field: ``id`` (or ``_id``),
+    ``question`` and ``answer`` non-empty strings, ``context`` as :func:`parse_context`,
+    optional ``supporting_facts`` (``[[title, sentence_index], ...]``), ``type`` and ``level``.
+
+    Raises:
+        DatasetError: a field is missing, of the wrong type, or not a HotpotQA field; the message
+            starts with ``where`` and names the field.
+    """
+    if not isinstance(row, dict):
+        raise DatasetError(f"{where}: a record must be a JSON object, got {_kind(row)}")
+    unknown = [k for k in row if k not in RECORD_FIELDS]
+    if unknown:
+        raise DatasetError(
+            f"{where}: field(s) {', '.join(map(repr, unknown))} are not HotpotQA fields "
+            f"(fields: {', '.join(RECORD_FIELDS)})"
+        )
+    if "id" in row and "_id" in row and row["id"] != row["_id"]:
+        raise DatasetError(f"{where}: fields 'id' and '_id' differ")
+    ident = _text_field({"id": row.get("id", row.get("_id"))}, "id", where)
+    facts = row.get("supporting_facts", [])
+    if not isinstance(facts, list) or not all(
+        isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and isinstance(f[1], int) and f[1] >= 0
+        for f in facts
+    ):
+        raise DatasetError(
+            f"{where}: field 'supporting_facts' must be a list of [title, sentence_index] pairs"
+        )
+    return Question(
+        id=ident,
+        question=_text_field(row, "question", where),
+        answer=_text_field(row, "answer", where),
+        type=_text_field(row, "type", where, required=False),
+        level=_text_field(row, "level", where, required=False),
+        supporting_facts=tuple((title, idx) for title, idx in facts),
+        context=parse_context(row.get("context"), where),
+    )
+
+
+def load_question_file(path: str | os.PathLike) -> list[Question]:
+    """Questions of your own in the HotpotQA format, in file order: a ``.jsonl`` file (one record a
+    line, blank lines skipped) or a JSON list of records (HotpotQA's own ``*.json`` files). Each
+    record is checked by :func:`parse_record`.
+
+    Raises:
+        DatasetError: the file is missing or empty, a line is not JSON, a record is malformed, or
+            an id repeats; the message names the file, the line (or record) and the field.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DatasetError(f"no question file {path}")
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        try:
+            rows = [(f"{path} record {i}", row) for i, row in enumerate(json.loads(text))]
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{path}: not a JSON list of records ({exc})") from None
+    else:
+        rows = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    rows.append((f"{path} line {number}", json.loads(line)))
+                except json.JSONDecodeError as exc:
+                    raise DatasetError(f"{path} line {number}: not a JSON object ({exc.msg})") from None
+    questions: list[Question] = []
+    first: dict[str, str] = {}
+    for where, row in rows:
+        question = parse_record(row, where)
+        if question.id in first:
+            raise DatasetError(f"{where}: field 'id': {question.id!r} repeats ({first[question.id]})")
+        first[question.id] = where
+        questions.append(question)
+    if not questions:
+        raise DatasetError(f"no questions in {path}")
+    return questions
 
 
 def get_question(question_id: str) -> Question:

@@ -9,10 +9,15 @@ import argparse
 import logging
 from pathlib import Path
 
-from rich.console import Console
-
-from precache.bench.common import add_common_args, hf_model_of, methods_with_reference, special_ids
+from precache.bench.common import (
+    add_common_args,
+    hf_model_of,
+    methods_with_reference,
+    positive_int,
+    special_ids,
+)
 from precache.resources import adapter_set, trace_path
+from precache.terminal import console
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +50,9 @@ def _bench_trace(args: argparse.Namespace) -> int:
     result = run_suite(runners, trace, stream, repeats=args.repeats)
     result["config"] = {k: v for k, v in vars(args).items() if k != "func"}
     report.write_json(result, args.json)
-    console = Console()
-    console.print(report.trace_table(result))
-    console.print(result["latency_note"], style="dim")
+    out = console()
+    out.print(report.trace_table(result))
+    out.print(result["latency_note"], style="dim")
     if args.markdown:
         Path(args.markdown).write_text(report.trace_markdown(result), encoding="utf-8")
     if args.plot:
@@ -80,7 +85,7 @@ def _fidelity(args: argparse.Namespace) -> int:
     )
     result["config"] = {k: v for k, v in vars(args).items() if k != "func"}
     report.write_json(result, args.json)
-    Console().print(report.fidelity_table(result))
+    console().print(report.fidelity_table(result))
     if args.markdown:
         Path(args.markdown).write_text(report.fidelity_markdown(result), encoding="utf-8")
     if args.plot_dir:
@@ -104,8 +109,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     add_bench_decode(bench_sub)
     add_bench_episodes(bench_sub)
     trace = bench_sub.add_parser("trace", help="replay an agent trace with every method, side by side")
-    trace.add_argument("--trace", required=True, help="CSV agent,prefill_len,decode_len (or a shipped name)")
-    trace.add_argument("--repeats", type=int, default=3, help="timed replays per method (median reported)")
+    trace.add_argument(
+        "--trace",
+        required=True,
+        help="a shipped trace (paper_L1024, smoke, ...) or a CSV agent,prefill_len,decode_len",
+    )
+    trace.add_argument(
+        "--repeats", type=positive_int, default=3, help="timed replays per method (median reported)"
+    )
     trace.add_argument("--seed", type=int, default=0, help="seed of the appended random token stream")
     trace.add_argument("--plot", help="PNG: TTFT per turn and KV bytes over the trajectory")
     trace.add_argument("--no-hf-peft", action="store_true", help="skip the HF transformers + PEFT baseline")
@@ -120,12 +131,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     fidelity = sub.add_parser("fidelity", help="KL, top-1, base-cache error and answers vs NonShared")
     fidelity.add_argument("--split", choices=("dev", "train", "all"), default="dev")
-    fidelity.add_argument("--limit", type=int, default=None, help="first N questions of the split")
+    fidelity.add_argument("--limit", type=positive_int, default=None, help="first N questions of the split")
     fidelity.add_argument("--max-steps", type=int, default=8, help="plan steps per episode")
     fidelity.add_argument("--max-new-tokens", type=int, default=64, help="tokens per agent turn")
     fidelity.add_argument("--plot-dir", help="folder for layer_error.png and kl_per_turn.png")
     fidelity.add_argument(
-        "--concurrency", type=int, default=1, help="questions run at once, their forwards batched per engine"
+        "--concurrency",
+        type=positive_int,
+        default=1,
+        help="questions run at once, their forwards batched per engine",
     )
     add_common_args(fidelity, ",".join(METHODS))
     fidelity.set_defaults(func=_fidelity)

@@ -9,6 +9,28 @@ from pathlib import Path
 from precache.errors import UnknownMethodError
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def check_method(name: str) -> str:
+    """``name`` if :func:`~precache.methods.make_method` takes it (one of ``METHODS``, any case,
+    ``_`` for ``-``, or ``rebaseshared`` for ``rebaseshared-lp``): checked before a model loads.
+
+    Raises:
+        UnknownMethodError: it does not; the message lists the methods.
+    """
+    from precache.methods import METHODS
+
+    if name.lower().replace("_", "-") not in (*METHODS, "rebaseshared"):
+        raise UnknownMethodError(f"unknown sharing method '{name}' (methods: {', '.join(METHODS)})")
+    return name
+
+
 def methods_with_reference(text: str) -> list[str]:
     """Method names from a comma-separated list, NonShared (the reference) first and always.
 
@@ -53,13 +75,12 @@ def add_common_args(parser: argparse.ArgumentParser, default_methods: str | None
 def write_results(result: dict, markdown: str, args: argparse.Namespace) -> int:
     """Record the command's arguments in ``result``, write it to ``--json``, print ``markdown`` and
     write it to ``--markdown`` when given. Returns the exit code 0."""
-    from rich.console import Console
-
     from precache.bench import report
+    from precache.terminal import console
 
     result["config"] = {k: v for k, v in vars(args).items() if k != "func"}
     report.write_json(result, args.json)
-    Console().print(markdown)
+    console().print(markdown)
     if args.markdown:
         Path(args.markdown).write_text(markdown, encoding="utf-8")
     return 0

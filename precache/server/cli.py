@@ -1,12 +1,48 @@
-"""``precache serve``: the OpenAI-compatible server (vLLM-style flags, loopback by default)."""
+"""``precache serve``: the OpenAI-compatible server (vLLM-style flags, loopback by default).
+
+The address is bound before the model loads, so a taken port is one line and exit code 2 at once;
+"serving on ..." is logged only once the server accepts connections.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import socket
 from pathlib import Path
 
+from precache.errors import PrecacheError
+
 logger = logging.getLogger(__name__)
+
+
+class BindError(PrecacheError):
+    """``--host``/``--port`` cannot be bound (taken, not an address of this machine, no permission)."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (``SO_REUSEADDR``, as uvicorn binds), not yet listening.
+
+    Raises:
+        BindError: the address does not resolve or cannot be bound; the message names it and the
+            operating system's reason.
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise BindError(f"cannot bind {host}:{port}: {exc.strerror or exc}") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        hint = " (another server listens there: pass another --port)" if exc.errno == errno.EADDRINUSE else ""
+        raise BindError(f"cannot bind {host}:{port}: {exc.strerror or exc}{hint}") from None
+    return sock
 
 
 def lora_module(item: str) -> tuple[str, str]:
@@ -78,6 +114,7 @@ def _serve(args: argparse.Namespace) -> int:
     from precache.server.config import ServerConfig
 
     adapters = adapters_from_args(args)
+    sock = bind_socket(args.host, args.port)
     model = load_model_from_args(args)
     engine = precache.Engine(model, adapters=adapters, method=args.method, kv_cache_bytes=args.kv_cache_bytes)
     config = ServerConfig(
@@ -86,15 +123,21 @@ def _serve(args: argparse.Namespace) -> int:
         max_running=args.max_num_seqs,
         max_step_tokens=args.max_num_batched_tokens,
     )
-    logger.info(
-        "serving %s (%s, adapters: %s) on http://%s:%d/v1",
-        config.model_name,
-        engine.method_name,
-        ", ".join(adapters) or "none",
-        args.host,
-        args.port,
+    banner = (
+        f"serving {config.model_name} ({engine.method_name}, adapters: {', '.join(adapters) or 'none'}) "
+        f"on http://{args.host}:{args.port}/v1"
     )
-    uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level="info")
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if not self.should_exit:
+                logger.info(banner)
+
+    # uvicorn's own INFO lines (startup, access log) with -v only
+    log_level = "info" if getattr(args, "verbose", 0) else "warning"
+    app = create_app(engine, config)
+    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level)).run(sockets=[sock])
     return 0
 
 
