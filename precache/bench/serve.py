@@ -156,7 +156,7 @@ def _table(result: dict):
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from precache.terminal import console
 
     for name in ("httpx", "httpx2"):  # the openai client logs every request at INFO
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -170,7 +170,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    Console().print(_table(result))
+    console().print(_table(result))
     if args.plot:
         logger.info("wrote %s", plot_ttft_vs_qps(result, args.plot))
     return 0
