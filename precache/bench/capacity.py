@@ -88,6 +88,7 @@ def _bench_capacity(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     trace = paper_trace(args.paper_len) if args.trace is None else load_trace(trace_path(args.trace))
     adapters = adapter_set(args.adapters, trace.agents)
+    methods = methods_with_reference(args.methods)
     model = precache.load_model(args.model)
     special = special_ids(model)
 
@@ -95,7 +96,7 @@ def _bench_capacity(args: argparse.Namespace) -> int:
         return token_stream(trace, model.config.vocab_size, special, args.seed + i)
 
     result = {"trace": trace.name, "kv_cache_bytes": args.kv_cache_bytes, "methods": {}}
-    for method in methods_with_reference(args.methods):
+    for method in methods:
         engine = precache.Engine(model, adapters=adapters, method=method, kv_cache_bytes=args.kv_cache_bytes)
         result["methods"][method] = resident_trajectories(engine, trace, streams, args.limit)
         del engine

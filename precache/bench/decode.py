@@ -56,12 +56,13 @@ def _bench_decode(args: argparse.Namespace) -> int:
     from peft import PeftModel
 
     import precache
-    from precache.bench.common import hf_model_of
+    from precache.bench.common import check_method, hf_model_of
     from precache.resources import adapter_set
 
     if args.threads:
         torch.set_num_threads(args.threads)
     adapters = adapter_set(args.adapters, [args.agent])
+    check_method(args.method)
     model = precache.load_model(args.model)
     g = torch.Generator().manual_seed(args.seed)
     prompts = [

@@ -75,12 +75,10 @@ def _bench_episodes(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     questions = load_questions(args.split)[: args.limit]
     adapters = adapter_set(args.adapters, ["plan", "action", "reflect"])
+    methods = methods_with_reference(args.methods)
     model = precache.load_model(args.model)
     # every method replays the same recorded stream: no trajectory may reuse another's blocks
-    engines = {
-        m: precache.Engine(model, adapters=adapters, method=m, prefix_caching=False)
-        for m in methods_with_reference(args.methods)
-    }
+    engines = {m: precache.Engine(model, adapters=adapters, method=m, prefix_caching=False) for m in methods}
     record = engines["nonshared"]
     episodes = run_concurrently(
         lambda q: run_episode(

@@ -13,6 +13,7 @@ import logging
 import os
 from pathlib import Path
 
+from precache.bench.common import check_method
 from precache.bench.trace import Trace, TraceTurn, check_fits, load_trace
 from precache.errors import TraceError
 from precache.resources import adapter_set, trace_path
@@ -163,8 +164,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
     trace = load_trace(trace_path(args.trace)) if args.trace else SMOKE_TRACE
     adapters = adapters_from_args(args) or adapter_set(args.adapters, trace.agents)
+    methods = [check_method(m.strip()) for m in args.methods.split(",") if m.strip()]
     model = load_model_from_args(args)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     result = run_serve_bench(
         model, adapters, methods, args.qps, args.sessions, trace, served_model_name(args, model), args.seed
     )
