@@ -60,15 +60,13 @@ def test_completion_greedy_equals_the_offline_engine_streamed_or_not(served, off
         model=model, prompt=prompt, max_tokens=8, temperature=0, extra_body={"return_token_ids": True}
     )
     assert got.choices[0].token_ids == want.token_ids
-    assert got.choices[0].text == offline.decode(
-        want.token_ids[: len(want.token_ids) - (want.stop_reason == "eos")]
-    )
+    assert got.choices[0].text == want.text  # the OpenAI rule: no EOS text, special tokens skipped
     assert got.usage.prompt_tokens == len(prompt) and got.usage.completion_tokens == len(want.token_ids)
     text, chunks = _stream_text(
         client.completions.create(model=model, prompt=prompt + "!", max_tokens=8, temperature=0, stream=True)
     )
     want2 = _offline(offline, offline.encode(prompt + "!"), agent, 8)
-    assert text == offline.decode([t for t in want2.token_ids if t not in offline.eos_token_ids])
+    assert text == want2.text
     assert chunks[-1].choices[0].finish_reason == ("stop" if want2.stop_reason == "eos" else "length")
 
 
@@ -87,7 +85,7 @@ def test_chat_uses_the_template_and_equals_the_offline_engine(served, offline):
     text = char_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = offline.encode(text)
     want = _offline(offline, ids, "reflect", 6)
-    want_text = offline.decode([t for t in want.token_ids if t not in offline.eos_token_ids])
+    want_text = want.text
     got = client.chat.completions.create(model="reflect", messages=messages, max_tokens=6, temperature=0)
     assert got.choices[0].message.role == "assistant" and got.choices[0].message.content == want_text
     assert got.usage.prompt_tokens == len(ids)
@@ -109,11 +107,18 @@ def test_chat_uses_the_template_and_equals_the_offline_engine(served, offline):
 def test_stop_strings_end_the_answer_and_are_not_returned(served, offline):
     _, client = served
     prompt = "Tell me a story about a cat."
-    full = offline.decode(_offline(offline, offline.encode(prompt), "plan", 12).token_ids)
+    full = _offline(offline, offline.encode(prompt), "plan", 12, ignore_eos=True).text
     stop = full[4:6]
     assert len(stop) == 2 and full.find(stop) == 4
+    want = _offline(offline, offline.encode(prompt), "plan", 12, stop=[stop])
+    assert (
+        want.text == full[:4]
+        and want.matched_stop == stop
+        and want.text + want.trimmed == full[: len(want.text + want.trimmed)]
+    )
     got = client.completions.create(model="plan", prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
     assert got.choices[0].text == full[:4] and got.choices[0].finish_reason == "stop"
+    assert got.choices[0].stop_reason == stop  # vLLM's field: the stop string that ended the answer
     text, _ = _stream_text(
         client.completions.create(
             model="plan", prompt=prompt, max_tokens=12, temperature=0, stop=stop, stream=True

@@ -1,5 +1,5 @@
 """Server pieces without HTTP: the token trie, the session pool's reuse / fork / wait / eviction
-rules, the step-wise turn against Session.generate, stop-string trimming, request validation."""
+rules, the step-wise turn against Session.generate, request validation."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from precache.engine.turn import SteppedTurn, TurnPhase
 from precache.server.errors import APIError
 from precache.server.prefix import TokenTrie
 from precache.server.protocol import CompletionRequest, sampling_params
-from precache.server.responses import StopTrimmer
 from precache.server.sessions import SessionPool
 from tests.tiny import make_engine
 
@@ -35,20 +34,11 @@ def test_trie_matches_longest_prefix_first_and_updates_paths():
     assert len(trie) == 0 and not trie._root.children  # every node pruned
 
 
-def test_stop_trimmer_never_sends_the_stop_string():
-    t = StopTrimmer(("END",))
-    sent = "".join(t.feed(p) for p in ["ab", "cE", "N", "Dxyz"]) + t.flush()
-    assert sent == "abc"
-    t = StopTrimmer(("END",))
-    assert "".join(t.feed(p) for p in ["abcEN", "x"]) + t.flush() == "abcENx"  # no stop: all of it
-    assert StopTrimmer(()).feed("abc") == "abc"
-
-
 def test_sampling_params_name_the_bad_field():
     ok = sampling_params(CompletionRequest(model="m", prompt="x", max_tokens=3, temperature=0, stop="\n"), 16)
     assert (ok.max_new_tokens, ok.temperature, ok.stop) == (3, 0.0, ("\n",))
     assert sampling_params(CompletionRequest(model="m", prompt="x"), 16).max_new_tokens == 16
-    for field, value in [("max_tokens", -1), ("temperature", 2.5), ("top_p", 0.0), ("n", 2)]:
+    for field, value in [("max_tokens", -1), ("temperature", 2.5), ("top_p", 0.0), ("n", 0), ("min_p", 1.5)]:
         with pytest.raises(APIError) as err:
             sampling_params(CompletionRequest(model="m", prompt="x", **{field: value}), 16)
         assert err.value.status == 400 and err.value.param == field

@@ -16,22 +16,23 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from precache.engine.request import StreamChunk, Turn
+from precache.engine.request import Turn
 from precache.server.codec import Codec
 from precache.server.config import ServerConfig
 from precache.server.errors import APIError, error_body, install_error_handlers
-from precache.server.jobs import ErrorEvent, Job
+from precache.server.jobs import ChoiceEnd, Delta, ErrorEvent, Job
 from precache.server.metrics import ServerMetrics
+from precache.server.prompts import chat_prompt, completion_prompt, echo_text
 from precache.server.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     ChatRequest,
     CompletionRequest,
-    chat_prompt,
+    check_fields,
     check_prompt,
-    completion_prompt,
+    check_room,
     sampling_params,
 )
-from precache.server.responses import Renderer, StopTrimmer, sse
+from precache.server.responses import Renderer, sse
 from precache.server.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -86,12 +87,14 @@ def _add_routes(app: FastAPI, api: _Api, metrics: ServerMetrics) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         agent = api.agent(body.model)
+        check_fields(body)  # the field policy before any tokenising
         ids = completion_prompt(body, codec, engine.model.config.vocab_size)
         return await api.generate(request, body, agent, ids, "completion", COMPLETION_DEFAULT_MAX_TOKENS)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         agent = api.agent(body.model)
+        check_fields(body)  # the field policy before rendering the template
         ids = chat_prompt(body, codec)
         return await api.generate(request, body, agent, ids, "chat", None)
 
@@ -126,55 +129,74 @@ class _Api:
         check_prompt(ids, self.engine.max_context)
         room = self.engine.max_context - len(ids)
         params = sampling_params(body, room if default_max is None else default_max)
-        job = Job(agent, ids, params, body.model, body.session_id)
+        check_room(body, len(ids), params.max_new_tokens, self.engine.max_context)
+        job = Job(agent, ids, params, body.model, body.session_id, n=body.n)
         job.bind(asyncio.get_running_loop())
+        renderer = Renderer(
+            kind,
+            body.model,
+            ids,
+            self.codec,
+            return_token_ids=body.return_token_ids,
+            tokens_as_ids=bool(body.return_tokens_as_token_ids),
+            echo=echo_text(body, ids, self.codec),
+            request_id=body.request_id,
+        )
         self.scheduler.submit(job)
-        renderer = Renderer(kind, body.model, ids, body.return_token_ids)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(self._stream(job, renderer, usage), media_type="text/event-stream")
         return await self._complete(job, renderer, request)
 
     async def _stream(self, job: Job, renderer: Renderer, include_usage: bool):
-        """SSE chunks in the OpenAI format, then ``data: [DONE]``. A client that leaves cancels
-        the job (Starlette cancels this generator when the connection drops)."""
-        trimmer, over = StopTrimmer(job.params.stop), False
+        """SSE chunks in the OpenAI format, then ``data: [DONE]``. A chunk goes out when a token
+        makes text safe to send, with the log-probabilities of every token since the last chunk.
+        A client that leaves cancels the job (Starlette cancels this generator when the connection
+        drops)."""
+        wants_logprobs = job.params.logprobs is not None
+        pending: dict[int, list] = {i: [] for i in range(job.n)}
+        turns: dict[int, Turn] = {}
+        over = False
         try:
-            first = renderer.first_chunk()
-            if first is not None:
+            for first in renderer.first_chunks(job.n):
                 yield sse(first)
             async for event in job.events():
-                if isinstance(event, StreamChunk):
-                    text = trimmer.feed(event.text)
-                    if text:
-                        yield sse(renderer.chunk(text))
-                    continue
-                over = True
-                if isinstance(event, ErrorEvent):
+                if isinstance(event, Delta):
+                    chunk = event.chunk
+                    if chunk.logprob is not None:
+                        pending[event.index].append(chunk.logprob)
+                    if chunk.text:
+                        entries = pending[event.index] if wants_logprobs else None
+                        yield sse(renderer.chunk(event.index, chunk.text, entries))
+                        pending[event.index] = []
+                elif isinstance(event, ChoiceEnd):
+                    turns[event.index] = event.turn
+                    entries = pending[event.index] if wants_logprobs else None
+                    yield sse(renderer.last_chunk(event.index, event.turn, entries))
+                else:
+                    over = True
                     yield sse(error_body(event.status, event.message, None, event.code))
                     break
-                rest = trimmer.flush()
-                if rest:
-                    yield sse(renderer.chunk(rest))
-                yield sse(renderer.last_chunk(event))
+            else:
+                over = True
                 if include_usage:
-                    yield sse(renderer.usage_chunk(event))
+                    yield sse(renderer.usage_chunk([turns[i] for i in range(job.n)]))
             yield sse("[DONE]")
         finally:
             if not over:
                 self.scheduler.cancel(job.id)
 
     async def _complete(self, job: Job, renderer: Renderer, request: Request):
-        """Wait for the whole answer; a client that leaves first cancels the job."""
+        """Wait for every choice; a client that leaves first cancels the job."""
 
-        async def collect() -> tuple[str, Turn | ErrorEvent]:
-            trimmer, parts = StopTrimmer(job.params.stop), []
+        async def collect() -> list[Turn] | ErrorEvent:
+            turns: dict[int, Turn] = {}
             async for event in job.events():
-                if isinstance(event, StreamChunk):
-                    parts.append(trimmer.feed(event.text))
-                else:
-                    return "".join(parts) + trimmer.flush(), event
-            raise RuntimeError("the event stream ended without a final event")
+                if isinstance(event, ErrorEvent):
+                    return event
+                if isinstance(event, ChoiceEnd):
+                    turns[event.index] = event.turn
+            return [turns[i] for i in range(job.n)]
 
         result, left = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(request))
         await asyncio.wait({result, left}, return_when=asyncio.FIRST_COMPLETED)
@@ -183,10 +205,10 @@ class _Api:
             self.scheduler.cancel(job.id)
             return Response(status_code=499)  # nobody reads it: the client closed the connection
         left.cancel()
-        text, final = result.result()
+        final = result.result()
         if isinstance(final, ErrorEvent):
             raise APIError(final.status, final.message, code=final.code)
-        return renderer.body(text, final)
+        return renderer.body(final)
 
 
 async def _disconnected(request: Request) -> None:

@@ -20,8 +20,9 @@ class Codec:
         self.tokenizer = engine.tokenizer
         self._lock = TOKENIZER_LOCK
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` without special tokens added.
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text`` (with the tokenizer's special tokens, such as a BOS, when
+        ``add_special_tokens``).
 
         Raises:
             APIError: 400, the model has no tokenizer.
@@ -29,31 +30,33 @@ class Codec:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
         with self._lock:
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of ``messages`` rendered by the tokenizer's chat template, with the generation
-        prompt of the assistant's turn.
+    def chat(
+        self, messages: list[dict], options: dict | None = None, add_special_tokens: bool = False
+    ) -> list[int]:
+        """Token ids of ``messages`` rendered by the tokenizer's chat template; ``options`` go to
+        ``apply_chat_template`` (default: the assistant's generation prompt).
 
         Raises:
-            APIError: 400, no chat template, or the template refuses the messages.
+            APIError: 400, no chat template, or the template refuses the messages or options.
         """
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template: use /v1/completions", "messages")
+        options = {"add_generation_prompt": True, **(options or {})}
         with self._lock:
             try:
-                text = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=False
-                )
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
             except Exception as exc:  # jinja raises its own errors for messages a template refuses
-                raise APIError(400, f"the chat template refused the messages: {exc}", "messages") from exc
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+                raise APIError(400, f"the chat template refused the request: {exc}", "messages") from exc
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], **options) -> str:
+        """Text of ``token_ids`` (``options``: the tokenizer's decode options)."""
         with self._lock:
-            return self.engine.decode(token_ids)
+            return self.engine.decode(token_ids, **options)
 
-    def decode_piece(self, token_ids: list[int]) -> str:
-        """Text the last token of ``token_ids`` adds."""
-        with self._lock:
-            return self.engine.decode_piece(token_ids)
+    def token_string(self, token_id: int, as_id: bool = False) -> str:
+        """A token's own text for log-probabilities (``token_id:<id>`` with ``as_id``, vLLM's
+        ``return_tokens_as_token_ids``)."""
+        return f"token_id:{token_id}" if as_id else self.decode([token_id])

@@ -2,8 +2,9 @@
 
 The server loop (:mod:`precache.server.scheduler`) calls :meth:`Job.emit`; the handler awaits
 :meth:`Job.events` on the event loop. The hand-over is ``loop.call_soon_threadsafe`` into an
-``asyncio.Queue``. Events: each sampled token (:class:`~precache.engine.request.StreamChunk`), then
-the finished :class:`~precache.engine.request.Turn` or an :class:`ErrorEvent`.
+``asyncio.Queue``. Events: each sampled token of choice ``index`` (:class:`Delta`), each choice's
+finished :class:`~precache.engine.request.Turn` (:class:`ChoiceEnd`), or an :class:`ErrorEvent`
+that ends the job.
 """
 
 from __future__ import annotations
@@ -30,11 +31,28 @@ class ErrorEvent:
     code: str | None = None
 
 
-Event = StreamChunk | Turn | ErrorEvent
+@dataclass(frozen=True)
+class Delta:
+    """A token of choice ``index`` and the text it makes safe to send."""
+
+    index: int
+    chunk: StreamChunk
+
+
+@dataclass(frozen=True)
+class ChoiceEnd:
+    """Choice ``index`` is over: its turn."""
+
+    index: int
+    turn: Turn
+
+
+Event = Delta | ChoiceEnd | ErrorEvent
 
 
 def finish_reason(turn: Turn) -> str:
-    """The OpenAI ``finish_reason`` of a turn: ``"length"``, else ``"stop"`` (EOS or a stop string)."""
+    """The OpenAI ``finish_reason`` of a turn: ``"length"``, else ``"stop"`` (EOS, a stop string or
+    a stop token id)."""
     return "length" if turn.stop_reason == "length" else "stop"
 
 
@@ -43,7 +61,8 @@ class Job:
     """One request: ``agent`` (adapter name, None: base model) continues ``prompt_ids``.
 
     ``model`` is the name the client asked for (metrics label); ``arrival`` a ``perf_counter``
-    time in seconds; ``session_id`` pins a trajectory.
+    time in seconds; ``session_id`` pins a trajectory; ``n`` choices (choice 0 runs on the
+    conversation's session, the others on forks of its prompt).
     """
 
     agent: str | None
@@ -51,6 +70,8 @@ class Job:
     params: SamplingParams
     model: str = ""
     session_id: str | None = None
+    n: int = 1
+    dropped: bool = False  # cancelled or failed (set on the server loop): no more choices start
     id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.perf_counter)
     loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
@@ -69,9 +90,11 @@ class Job:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
     async def events(self) -> AsyncIterator[Event]:
-        """Events until (and with) the final :class:`Turn` or :class:`ErrorEvent`."""
-        while True:
+        """Events until (and with) the last choice's :class:`ChoiceEnd` or an :class:`ErrorEvent`."""
+        left = self.n
+        while left:
             event = await self.queue.get()
             yield event
-            if not isinstance(event, StreamChunk):
+            if isinstance(event, ErrorEvent):
                 return
+            left -= isinstance(event, ChoiceEnd)

@@ -1,24 +1,94 @@
-"""OpenAI request bodies and their validation into token ids and :class:`SamplingParams`.
+"""OpenAI request bodies, the policy over every field vLLM's OpenAI server accepts (honoured,
+refused with a 400 naming it, or ignored and logged when it cannot change the output), and the
+request's :class:`SamplingParams`.
 
-Every refusal is an :class:`APIError` 400 naming the field, raised before the request is queued.
-Extensions (vLLM spellings, via the client's ``extra_body``): ``top_k``, ``ignore_eos``,
-``return_token_ids``; and ours: ``session_id`` pins a trajectory.
+Every refusal is an :class:`APIError` 400 whose ``param`` names the field, raised before the request
+is queued. Extensions: vLLM's (through the client's ``extra_body``: ``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``,
+...) and ours: ``session_id`` pins a trajectory. README.md, "OpenAI-compatible server: what it
+supports and refuses", lists every field.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import logging
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from precache.config import SamplingParams
 from precache.server.errors import APIError
 
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+logger = logging.getLogger(__name__)
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+
+# Fields that cannot change the output: accepted, logged at DEBUG, otherwise unused.
+IGNORED = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "prompt_cache_key",
+        "safety_identifier",
+        "parallel_tool_calls",
+    }
+    | {"include_reasoning"}  # no reasoning parser: the text is never split into reasoning and content
+)
+
+# Fields vLLM accepts that precache refuses unless they hold their no-op value: name -> (no-op
+# values, why). A value in the first tuple changes nothing and is accepted.
+REFUSED: dict[str, tuple[tuple, str]] = {
+    "prompt_logprobs": (
+        (None,),
+        "prompt log-probabilities are not computed (only the last prompt position's logits are)",
+    ),
+    "use_beam_search": ((False, None), "beam search is not supported"),
+    "length_penalty": ((1.0, None), "length_penalty applies to beam search, which is not supported"),
+    "truncate_prompt_tokens": ((None,), "prompt truncation is not supported: send a shorter prompt"),
+    "allowed_token_ids": ((None,), "allowed_token_ids is not supported"),
+    "bad_words": ((None, []), "bad_words is not supported"),
+    "guided_json": ((None,), "structured outputs (guided decoding) are not supported"),
+    "guided_regex": ((None,), "structured outputs (guided decoding) are not supported"),
+    "guided_choice": ((None,), "structured outputs (guided decoding) are not supported"),
+    "guided_grammar": ((None,), "structured outputs (guided decoding) are not supported"),
+    "guided_decoding_backend": ((None,), "structured outputs (guided decoding) are not supported"),
+    "guided_whitespace_pattern": ((None,), "structured outputs (guided decoding) are not supported"),
+    "structural_tag": ((None,), "structured outputs (guided decoding) are not supported"),
+    "structured_outputs": ((None,), "structured outputs (guided decoding) are not supported"),
+    "logits_processors": ((None, []), "custom logits processors are not supported"),
+    "priority": ((0, None), "priority scheduling is not supported (requests run in arrival order)"),
+    "cache_salt": ((None,), "cache_salt is not supported yet (the prefix cache is not salted)"),
+    "kv_transfer_params": ((None,), "disaggregated serving (kv_transfer_params) is not supported"),
+    "vllm_xargs": ((None,), "vllm_xargs is not supported"),
+    "mm_processor_kwargs": ((None,), "multimodal inputs are not supported"),
+    "media_io_kwargs": ((None,), "multimodal inputs are not supported"),
+    "prompt_embeds": ((None,), "prompt embeddings are not supported: send text or token ids"),
+    "suffix": ((None,), "suffix (insertion) is not supported"),
+    "tools": ((None, []), "tool calling is not supported"),
+    "functions": ((None, []), "function calling is not supported"),
+    "function_call": ((None, "none"), "function calling is not supported"),
+    "reasoning_effort": ((None,), "reasoning_effort is not supported"),
+    "audio": ((None,), "audio output is not supported"),
+    "modalities": ((None, ["text"]), "only the text modality is supported"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "verbosity": ((None,), "verbosity is not supported"),
+    "chat_template": (
+        (None,),
+        "a custom chat template is refused for safety: the model's own template is used",
+    ),
+    "chat_template_content_format": ((None, "auto", "string"), "content parts are joined into a string"),
+}
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _GenerationRequest(BaseModel):
@@ -29,15 +99,33 @@ class _GenerationRequest(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    logprobs: bool | int | None = None
+    best_of: int | None = None
     session_id: str | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    request_id: str | None = None
+    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    def top_logprobs_asked(self) -> int | None:
+        """How many top log-probabilities each token returns (None: no logprobs)."""
+        raise NotImplementedError
 
 
 class CompletionRequest(_GenerationRequest):
@@ -45,6 +133,11 @@ class CompletionRequest(_GenerationRequest):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = None
+    add_special_tokens: bool = True
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(BaseModel):
@@ -57,88 +150,143 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    role: Literal["system", "user", "assistant", "tool", "developer", "function"]
     content: str | list[ContentPart] | None = None
 
 
 class ChatRequest(_GenerationRequest):
-    """``/v1/chat/completions``: ``messages`` rendered by the tokenizer's chat template."""
+    """``/v1/chat/completions``: ``messages`` rendered by the tokenizer's chat template, with vLLM's
+    template options."""
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def _refuse(param: str, message: str, code: str = "unsupported_parameter") -> APIError:
+    return APIError(400, f"{param}: {message}", param, code)
+
+
+def check_fields(req: _GenerationRequest) -> None:
+    """Apply the field policy: an unknown field or a refused one (not at its no-op value) is a
+    400 naming it; an ignored one is logged.
+
+    Raises:
+        APIError: 400 with ``param`` = the field.
+    """
+    for name, value in (req.model_extra or {}).items():
+        if name in IGNORED:
+            logger.debug("request field %r ignored: it cannot change the output", name)
+        elif name in REFUSED:
+            accepted, why = REFUSED[name]
+            if not any(value == ok and type(value) is type(ok) for ok in accepted):
+                raise _refuse(name, why)
+        else:
+            raise _refuse(name, "unknown field (README lists the supported ones)", "unknown_parameter")
+    fmt = req.response_format
+    if fmt is not None and fmt.get("type") != "text":
+        raise _refuse("response_format", f"only {{'type': 'text'}} is supported, got {fmt.get('type')!r}")
+    if req.tool_choice not in (None, "none"):
+        raise _refuse("tool_choice", "tool calling is not supported")
+    if req.stream_options is not None:
+        if not req.stream:
+            raise _refuse("stream_options", "stream_options needs stream=true", "invalid_value")
+        if req.stream_options.continuous_usage_stats:
+            raise _refuse("stream_options", "continuous_usage_stats is not supported")
+    if req.best_of is not None and req.best_of != req.n:
+        raise _refuse(
+            "best_of", f"best_of must equal n ({req.n}): choosing the best of more samples is not supported"
+        )
+    if isinstance(req, ChatRequest):
+        _check_chat(req)
+    elif req.echo and req.logprobs is not None:
+        raise _refuse("echo", "echo with logprobs needs prompt log-probabilities, which are not computed")
+
+
+def _check_chat(req: ChatRequest) -> None:
+    if req.continue_final_message and req.add_generation_prompt:
+        raise _refuse(
+            "continue_final_message",
+            "cannot set both continue_final_message and add_generation_prompt to true",
+            "invalid_value",
+        )
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise _refuse("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "invalid_value")
+    if req.top_logprobs and not req.logprobs:
+        raise _refuse(
+            "top_logprobs", "when using top_logprobs, logprobs must be set to true", "invalid_value"
+        )
+    if req.echo and req.logprobs:
+        raise _refuse("echo", "echo with logprobs needs prompt log-probabilities, which are not computed")
+
+
+def max_tokens_field(req: _GenerationRequest) -> tuple[str, int | None]:
+    """``(field name, value)`` of the output budget the request set (chat: ``max_completion_tokens``
+    before the deprecated ``max_tokens``)."""
+    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+        return "max_completion_tokens", req.max_completion_tokens
+    return "max_tokens", req.max_tokens
 
 
 def sampling_params(req: _GenerationRequest, default_max_tokens: int) -> SamplingParams:
-    """The request's sampling fields as engine parameters (OpenAI defaults: temperature 1, top_p 1).
+    """The request's sampling fields as engine parameters (OpenAI defaults: temperature 1, top_p 1),
+    after :func:`check_fields`.
 
     Raises:
-        APIError: 400 naming the field out of range (max_tokens < 1, temperature outside [0, 2],
-        top_p outside (0, 1], top_k < -1, n != 1, logprobs or echo asked for).
+        APIError: 400 naming the field that is refused or out of range.
     """
-    max_tokens = getattr(req, "max_completion_tokens", None)
-    max_tokens = req.max_tokens if max_tokens is None else max_tokens
+    check_fields(req)
+    name, max_tokens = max_tokens_field(req)
     max_tokens = default_max_tokens if max_tokens is None else max_tokens
-    temperature = 1.0 if req.temperature is None else req.temperature
-    top_p = 1.0 if req.top_p is None else req.top_p
-    checks = [
-        (max_tokens >= 1, "max_tokens", f"max_tokens must be at least 1, got {max_tokens}"),
-        (0.0 <= temperature <= 2.0, "temperature", f"temperature must be in [0, 2], got {temperature}"),
-        (0.0 < top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {top_p}"),
-        (req.top_k is None or req.top_k >= -1, "top_k", f"top_k must be -1, 0 or positive, got {req.top_k}"),
-        (req.n == 1, "n", f"only n=1 is supported, got {req.n}"),
-        (not req.logprobs, "logprobs", "logprobs are not supported"),
-        (not getattr(req, "echo", False), "echo", "echo is not supported"),
-    ]
-    for ok, param, message in checks:
-        if not ok:
-            raise APIError(400, message, param, "invalid_value")
-    stop = (req.stop,) if isinstance(req.stop, str) else tuple(s for s in req.stop or () if s)
-    return SamplingParams(
-        max_tokens, temperature, top_p, max(0, req.top_k or 0), stop, req.seed, ignore_eos=req.ignore_eos
-    )
-
-
-def completion_prompt(req: CompletionRequest, codec, vocab_size: int) -> list[int]:
-    """Token ids of the request's single prompt (text is tokenised without special tokens).
-
-    Raises:
-        APIError: 400, empty prompt, several prompts, or token ids outside ``[0, vocab_size)``.
-    """
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise APIError(400, f"send one prompt per request, got {len(prompt)}", "prompt", "invalid_value")
-        prompt = prompt[0]
-    if not prompt:
-        raise APIError(400, "the prompt is empty", "prompt", "empty_prompt")
-    if isinstance(prompt, str):
-        return codec.encode(prompt)
-    bad = [t for t in prompt if not 0 <= t < vocab_size]
-    if bad:
-        raise APIError(
-            400, f"token ids must be in [0, {vocab_size}), got {bad[:5]}", "prompt", "invalid_value"
-        )
-    return list(prompt)
-
-
-def chat_prompt(req: ChatRequest, codec) -> list[int]:
-    """Token ids of the conversation rendered by the chat template, ending with the assistant's
-    generation prompt. Content parts are joined (text parts only).
-
-    Raises:
-        APIError: 400, no messages, a non-text content part, or no chat template.
-    """
-    if not req.messages:
-        raise APIError(400, "messages is empty", "messages", "empty_prompt")
-    messages = []
-    for i, m in enumerate(req.messages):
-        content = m.content or ""
-        if isinstance(content, list):
-            if any(part.type != "text" for part in content):
-                raise APIError(400, "only text content parts are supported", f"messages.{i}.content")
-            content = "".join(part.text or "" for part in content)
-        messages.append({"role": m.role, "content": content})
-    return codec.chat(messages)
+    if max_tokens < 1:
+        raise _refuse(name, f"{name} must be at least 1, got {max_tokens}", "invalid_value")
+    if req.n < 1:
+        raise _refuse("n", f"n must be at least 1, got {req.n}", "invalid_value")
+    top = req.top_logprobs_asked()
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise _refuse("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "invalid_value")
+    bias = {}
+    for key, value in (req.logit_bias or {}).items():
+        try:
+            bias[int(key)] = float(value)
+        except ValueError:
+            raise _refuse("logit_bias", f"keys must be token ids, got {key!r}", "invalid_value") from None
+    fields = {
+        "max_new_tokens": max_tokens,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_k": req.top_k or 0,
+        "min_p": req.min_p or 0.0,
+        "stop": (req.stop,) if isinstance(req.stop, str) else tuple(s for s in req.stop or () if s),
+        "seed": req.seed,
+        "ignore_eos": req.ignore_eos,
+        "min_tokens": req.min_tokens,
+        "stop_token_ids": tuple(req.stop_token_ids or ()),
+        "logit_bias": tuple(bias.items()),
+        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        "frequency_penalty": req.frequency_penalty or 0.0,
+        "presence_penalty": req.presence_penalty or 0.0,
+        "logprobs": top,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+        "skip_special_tokens": req.skip_special_tokens,
+        "spaces_between_special_tokens": req.spaces_between_special_tokens,
+    }
+    try:
+        return SamplingParams(**fields)
+    except ValueError as exc:  # the message starts with the field's name
+        field = str(exc).split(" ", 1)[0]
+        param = {"max_new_tokens": name}.get(field, field)
+        raise _refuse(param, str(exc), "invalid_value") from None
 
 
 def check_prompt(ids: list[int], max_context: int) -> None:
@@ -151,5 +299,23 @@ def check_prompt(ids: list[int], max_context: int) -> None:
             f"this model's maximum context length is {max_context} tokens; the prompt has {len(ids)} "
             f"tokens, which leaves no room to generate",
             "prompt",
+            "context_length_exceeded",
+        )
+
+
+def check_room(req: _GenerationRequest, n_prompt: int, max_tokens: int, max_context: int) -> None:
+    """Refuse a prompt plus ``max_tokens`` beyond the context length, as vLLM does (never clamped).
+
+    Raises:
+        APIError: 400 naming the budget field.
+    """
+    if n_prompt + max_tokens > max_context:
+        name = max_tokens_field(req)[0]
+        raise APIError(
+            400,
+            f"this model's maximum context length is {max_context} tokens; you requested "
+            f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} in the completion): "
+            f"reduce the prompt or {name}",
+            name,
             "context_length_exceeded",
         )

@@ -1,5 +1,10 @@
 """OpenAI response bodies and stream chunks (``text_completion``, ``chat.completion``,
-``chat.completion.chunk``), and the trimming of stop strings out of the returned text."""
+``chat.completion.chunk``) with ``n`` choices and log-probabilities in the OpenAI shapes.
+
+The text itself comes from the engine (:class:`~precache.engine.request.StreamChunk` pieces and
+:attr:`Turn.text`, already by the OpenAI stop rule and whole characters only), so streamed and
+non-streamed answers are the same text as ``Session.generate``.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ import json
 import time
 import uuid
 
-from precache.engine.request import Turn
+from precache.engine.request import TokenLogprob, Turn
 from precache.server.jobs import finish_reason
 
 
@@ -16,25 +21,43 @@ def sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-def usage(turn: Turn) -> dict:
-    """Token counts, with ``prompt_tokens_details.cached_tokens`` = prompt tokens served from the cache."""
+def usage(turns: list[Turn]) -> dict:
+    """Token counts of a request: the prompt once (the choices share its cache), every choice's
+    tokens; ``prompt_tokens_details.cached_tokens`` = prompt tokens served from the cache."""
+    first = turns[0]
+    completion = sum(t.new_tokens for t in turns)
     return {
-        "prompt_tokens": turn.prompt_tokens,
-        "completion_tokens": turn.new_tokens,
-        "total_tokens": turn.prompt_tokens + turn.new_tokens,
-        "prompt_tokens_details": {"cached_tokens": turn.cached_tokens},
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
     }
 
 
 class Renderer:
     """Bodies of one response: ``kind`` is ``"chat"`` or ``"completion"``; ``model`` the name the
-    client asked for. ``return_token_ids`` adds the prompt and output token ids (a vLLM extension)."""
+    client asked for; ``codec`` turns token ids into the strings of log-probabilities
+    (``tokens_as_ids``: ``token_id:<id>``, vLLM's ``return_tokens_as_token_ids``); ``echo`` the text
+    put before every choice's answer; ``request_id`` names the response (vLLM's field; default a
+    random id). ``return_token_ids`` adds the prompt and output token ids (a vLLM extension)."""
 
-    def __init__(self, kind: str, model: str, prompt_ids: list[int], return_token_ids: bool = False):
-        self.kind, self.model, self.prompt_ids = kind, model, prompt_ids
-        self.return_token_ids = return_token_ids
+    def __init__(
+        self,
+        kind: str,
+        model: str,
+        prompt_ids: list[int],
+        codec,
+        *,
+        return_token_ids: bool = False,
+        tokens_as_ids: bool = False,
+        echo: str = "",
+        request_id: str | None = None,
+    ):
+        self.kind, self.model, self.prompt_ids, self.codec = kind, model, prompt_ids, codec
+        self.return_token_ids, self.tokens_as_ids, self.echo = return_token_ids, tokens_as_ids, echo
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        self.id, self.created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+        self.id, self.created = f"{prefix}-{request_id or uuid.uuid4().hex}", int(time.time())
+        self._offsets: dict[int, int] = {}  # completion text offset per choice, for streamed logprobs
 
     def _head(self, chunk: bool) -> dict:
         if self.kind == "chat":
@@ -43,82 +66,97 @@ class Renderer:
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _choice(self, text: str | None, finish_reason: str | None, chunk: bool) -> dict:
-        choice: dict = {"index": 0}
+    # -- log-probabilities ---------------------------------------------------------------------
+    def logprobs(self, entries: list[TokenLogprob] | None, index: int = 0, start: int = 0) -> dict | None:
+        """The ``logprobs`` object of a choice (None when not asked for): chat's ``content`` list,
+        or completions' ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset`` with
+        offsets from ``start`` characters."""
+        if entries is None:
+            return None
+        if self.kind == "chat":
+            return {"content": [self._chat_entry(e) for e in entries]}
+        tokens = [self._token(e.token_id) for e in entries]
+        offsets, at = [], start
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        self._offsets[index] = at
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self._token(i): v for i, v in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def _token(self, token_id: int) -> str:
+        return self.codec.token_string(token_id, self.tokens_as_ids)
+
+    def _chat_entry(self, e: TokenLogprob) -> dict:
+        def one(token_id: int, logprob: float) -> dict:
+            token = self._token(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+        return {**one(e.token_id, e.logprob), "top_logprobs": [one(i, v) for i, v in e.top]}
+
+    # -- whole responses -----------------------------------------------------------------------
+    def _choice(self, index: int, text: str | None, turn: Turn | None, chunk: bool, logprobs) -> dict:
+        choice: dict = {"index": index}
         if self.kind == "chat" and chunk:
             choice["delta"] = {} if text is None else {"content": text}
         elif self.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text or ""
-        choice.update(logprobs=None, finish_reason=finish_reason)
+        choice.update(logprobs=logprobs, finish_reason=finish_reason(turn) if turn is not None else None)
+        if turn is not None:
+            choice["stop_reason"] = turn.matched_stop  # vLLM's: the stop string or token id, or None
+            if self.return_token_ids:
+                choice["token_ids"] = list(turn.token_ids)
         return choice
 
-    def body(self, text: str, turn: Turn) -> dict:
-        """The whole (non-streamed) response."""
-        choice = self._choice(text, finish_reason(turn), chunk=False)
-        if self.return_token_ids:
-            choice["token_ids"] = list(turn.token_ids)
-        out = {**self._head(False), "choices": [choice], "usage": usage(turn), "session_id": turn.session_id}
+    def body(self, turns: list[Turn]) -> dict:
+        """The whole (non-streamed) response, one choice per turn."""
+        choices = [
+            self._choice(i, self.echo + t.text, t, False, self.logprobs(t.logprobs, i, len(self.echo)))
+            for i, t in enumerate(turns)
+        ]
+        out = {
+            **self._head(False),
+            "choices": choices,
+            "usage": usage(turns),
+            "session_id": turns[0].session_id,
+        }
         if self.return_token_ids:
             out["prompt_token_ids"] = self.prompt_ids
         return out
 
-    def first_chunk(self) -> dict | None:
-        """The chat stream opens with the assistant role; completions have no opening chunk."""
-        if self.kind != "chat":
-            return None
-        choice = {
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        return {**self._head(True), "choices": [choice]}
+    # -- streams -------------------------------------------------------------------------------
+    def first_chunks(self, n: int) -> list[dict]:
+        """The chat stream opens each choice with the assistant role (and the echoed text);
+        completions open with the echoed prompt only."""
+        out = []
+        for index in range(n):
+            self._offsets[index] = len(self.echo)
+            if self.kind == "chat":
+                choice = {"index": index, "delta": {"role": "assistant", "content": self.echo}}
+                out.append(
+                    {**self._head(True), "choices": [{**choice, "logprobs": None, "finish_reason": None}]}
+                )
+            elif self.echo:
+                out.append(self.chunk(index, self.echo, None))
+        return out
 
-    def chunk(self, text: str) -> dict:
-        return {**self._head(True), "choices": [self._choice(text, None, chunk=True)]}
+    def chunk(self, index: int, text: str, entries: list[TokenLogprob] | None) -> dict:
+        lp = self.logprobs(entries, index, self._offsets.get(index, 0)) if entries is not None else None
+        return {**self._head(True), "choices": [self._choice(index, text, None, True, lp)]}
 
-    def last_chunk(self, turn: Turn) -> dict:
-        """The chunk with the finish reason, the session id (our extension) and, when asked for,
-        every output token id."""
-        choice = self._choice(None if self.kind == "chat" else "", finish_reason(turn), chunk=True)
-        if self.return_token_ids:
-            choice["token_ids"] = list(turn.token_ids)
+    def last_chunk(self, index: int, turn: Turn, entries: list[TokenLogprob] | None) -> dict:
+        """The chunk with a choice's finish reason (and its last log-probabilities, the session id
+        (our extension) and, when asked for, every output token id)."""
+        lp = self.logprobs(entries, index, self._offsets.get(index, 0)) if entries is not None else None
+        choice = self._choice(index, None if self.kind == "chat" else "", turn, True, lp)
         return {**self._head(True), "choices": [choice], "session_id": turn.session_id}
 
-    def usage_chunk(self, turn: Turn) -> dict:
+    def usage_chunk(self, turns: list[Turn]) -> dict:
         """``stream_options.include_usage``: a last chunk with no choices and the usage."""
-        return {**self._head(True), "choices": [], "usage": usage(turn)}
-
-
-class StopTrimmer:
-    """Streamed text with the stop strings cut out (OpenAI returns text up to, not including, the
-    first stop string; the engine stops right after the token that completes it).
-
-    :meth:`feed` holds back the last ``len(longest stop) - 1`` characters, which could start a stop
-    string; :meth:`flush` releases what is left at the end of the turn.
-    """
-
-    def __init__(self, stop: tuple[str, ...]):
-        self.stop = [s for s in stop if s]
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.text, self.sent, self.cut = "", 0, None
-
-    def feed(self, piece: str) -> str:
-        """Append ``piece``; return the text that is now safe to send."""
-        self.text += piece
-        if self.cut is None:
-            # a stop string not yet complete before this piece starts at or after ``sent``
-            hits = [i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0]
-            self.cut = min(hits) if hits else None
-        return self._release(len(self.text) - self.hold)
-
-    def flush(self) -> str:
-        return self._release(len(self.text))
-
-    def _release(self, end: int) -> str:
-        end = min(end, self.cut) if self.cut is not None else end
-        out = self.text[self.sent : max(end, self.sent)]
-        self.sent = max(end, self.sent)
-        return out
+        return {**self._head(True), "choices": [], "usage": usage(turns)}

@@ -4,7 +4,10 @@ request's tokens and final turn to its handler, and maps typed errors to HTTP st
 
 It owns the sessions (:class:`SessionPool`): claiming, syncing and releasing them happens on this
 thread, between steps. A turn's answer goes out when the turn closes; its session is released once
-the post-turn pass (ReBaseShared LP's neutral prefill, in a later forward) ran.
+the post-turn pass (ReBaseShared LP's neutral prefill, in a later forward) ran. A job with ``n > 1``
+choices runs choice 0 on the conversation's session; once it is over, choices 1..n-1 run at once on
+forks of its prompt (:meth:`Session.fork`: the prompt's cache blocks are shared, so the prompt is
+prefilled once; each fork recomputes only the prompt's last token), and the forks are closed after.
 """
 
 from __future__ import annotations
@@ -15,14 +18,15 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from precache.engine.request import Request, RequestState
 from precache.engine.scheduler import SchedulerConfig
+from precache.engine.session import Session
 from precache.errors import CacheCapacityError, OutOfBlocksError, PrecacheError, RequestCancelledError
 from precache.server.config import ServerConfig
 from precache.server.errors import APIError
-from precache.server.jobs import ErrorEvent, Job, finish_reason
+from precache.server.jobs import ChoiceEnd, Delta, ErrorEvent, Job, finish_reason
 from precache.server.metrics import ServerMetrics
 from precache.server.sessions import Claim, SessionPool
 
@@ -43,9 +47,13 @@ def error_status(exc: BaseException) -> tuple[int, str, str]:
 
 @dataclass(eq=False)
 class _Active:
+    """One choice of a job: choice 0 holds the pool's ``claim``; the others a ``fork`` of its prompt."""
+
     job: Job
     claim: Claim
     request: Request
+    index: int = 0
+    fork: Session | None = None
     first_token_s: float | None = None
     reported: bool = False  # the final event went out (or the client left: nothing to send)
 
@@ -147,11 +155,16 @@ class Scheduler:
 
     def _cancel(self, job_id: int) -> None:
         self._pending = [j for j in self._pending if j.id != job_id]
+        counted = False
         for active in self._active:
+            if active.job.id == job_id:
+                active.job.dropped = True  # no further choices start
             if active.job.id == job_id and not active.reported:
                 active.reported = True
                 self.engine.cancel(active.request)
-                self.metrics.requests.labels("cancelled").inc()
+                if not counted:
+                    self.metrics.requests.labels("cancelled").inc()
+                    counted = True
 
     def _admit(self) -> None:
         """Claim each pending job's session and submit its turn to the engine (a job whose
@@ -187,10 +200,11 @@ class Scheduler:
                     continue
                 if active.first_token_s is None:
                     active.first_token_s = time.perf_counter()
-                    self.metrics.ttft.labels(active.job.model).observe(
-                        active.first_token_s - active.job.arrival
-                    )
-                active.job.emit(chunk)
+                    if active.index == 0:
+                        self.metrics.ttft.labels(active.job.model).observe(
+                            active.first_token_s - active.job.arrival
+                        )
+                active.job.emit(Delta(active.index, chunk))
             if request.state is RequestState.FAILED:
                 self._failed(active)
                 continue
@@ -198,6 +212,11 @@ class Scheduler:
                 self._report(active)
             if request.finished:
                 self._active.remove(active)
+                if active.fork is not None:
+                    active.fork.close()
+                    continue
+                if request.state is RequestState.FINISHED and active.job.n > 1 and not active.job.dropped:
+                    self._fork_choices(active)
                 self.pool.release(active.claim.entry)
         self.metrics.running.set(len(self.engine.scheduler.running))
         self.pool.evict()
@@ -209,21 +228,46 @@ class Scheduler:
         active.reported = True
         job, request = active.job, active.request
         turn = request.result if request.result is not None else request.turn.record()
-        self.metrics.finished(
-            job.model,
-            time.perf_counter() - job.arrival,
-            turn.prompt_tokens,
-            turn.cached_tokens,
-            turn.new_tokens,
-            finish_reason(turn),
-        )
-        job.emit(turn)
+        if active.index == 0:  # the request once (its prompt, its latency)
+            self.metrics.finished(
+                job.model,
+                time.perf_counter() - job.arrival,
+                turn.prompt_tokens,
+                turn.cached_tokens,
+                turn.new_tokens,
+                finish_reason(turn),
+            )
+        else:
+            self.metrics.generation_tokens.inc(turn.new_tokens)
+        job.emit(ChoiceEnd(active.index, turn))
+
+    def _fork_choices(self, first: _Active) -> None:
+        """Choices 1..n-1 of ``first``'s job on forks of its session's prompt (choice ``i`` samples
+        with ``seed + i`` when the request has a seed)."""
+        job = first.job
+        parent = first.claim.entry.session
+        for index in range(1, job.n):
+            fork = parent.fork(len(job.prompt_ids))
+            params = (
+                job.params if job.params.seed is None else replace(job.params, seed=job.params.seed + index)
+            )
+            try:
+                request = fork.submit(job.agent, **asdict(params))
+            except PrecacheError as exc:
+                fork.close()
+                self._send_error(first, *error_status(exc))
+                return
+            self._active.append(_Active(job, first.claim, request, index=index, fork=fork))
 
     def _failed(self, active: _Active) -> None:
         """The engine failed ``active``'s request. A full block pool (nothing streamed yet) evicts the
         least recently used idle session and queues the job again; other errors go to the client."""
         request = active.request
         self._active.remove(active)
+        if active.fork is not None:
+            active.fork.close()
+            self._send_error(active, *error_status(request.error))
+            return
         if request.turn is None:  # refused before its turn opened: the caches are untouched
             self.pool.release(active.claim.entry)
         else:
@@ -235,10 +279,19 @@ class Scheduler:
         self._send_error(active, *error_status(request.error))
 
     def _send_error(self, active: _Active, status: int, message: str, code: str) -> None:
-        if not active.reported:
-            active.reported = True
-            active.job.emit(ErrorEvent(status, message, code))
-            self.metrics.requests.labels("error").inc()
+        """End ``active``'s job with an error: one event to the client, its other choices cancelled."""
+        job = active.job
+        over = job.dropped or (active.reported and job.n == 1)  # nothing more to tell the client
+        job.dropped = True
+        if over:
+            return
+        job.emit(ErrorEvent(status, message, code))
+        self.metrics.requests.labels("error").inc()
+        for other in self._active:
+            if other.job is job and not other.reported:
+                other.reported = True
+                self.engine.cancel(other.request)
+        active.reported = True
 
     def _fail(self, active: _Active, status: int, message: str, code: str) -> None:
         self._send_error(active, status, message, code)
@@ -246,4 +299,8 @@ class Scheduler:
             self._active.remove(active)
         if not active.request.finished:
             self.engine.cancel(active.request)
+        if active.fork is not None:
+            if active.fork.active is None:
+                active.fork.close()
+            return
         self.pool.discard(active.claim.entry)  # its caches may be half-written
