@@ -40,6 +40,9 @@ class ReferenceAttention:
         scores = torch.einsum("thd,nhd->htn", x.q, keys) / math.sqrt(D)
         P = pk.shape[0]
         mask = torch.arange(P + T)[None, :] <= (P + torch.arange(T))[:, None]
+        window = x.model.config.window(x.layer)  # sliding window: key p visible when p > t - window
+        if window is not None:
+            mask &= torch.arange(P + T)[None, :] > (P + torch.arange(T))[:, None] - window
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
         return torch.einsum("htn,nhd->thd", probs, values).reshape(T, Hq * D)
 

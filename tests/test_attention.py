@@ -11,8 +11,9 @@ import torch
 from precache.cache.attention import Segment, attend
 
 
-def _reference(q, q_start, segments):
-    """Materialise V = Vb + s Lv B per segment and run a plain masked softmax."""
+def _reference(q, q_start, segments, window=None):
+    """Materialise V = Vb + s Lv B per segment and run a plain masked softmax (key p visible to
+    query t when p <= t and, with a sliding window, p > t - window)."""
     keys = torch.cat([s.k for s in segments])
     values = []
     for s in segments:
@@ -26,7 +27,10 @@ def _reference(q, q_start, segments):
     G = Hq // keys.shape[1]
     k, v = keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)
     scores = torch.einsum("thd,nhd->htn", q, k) / math.sqrt(D)
-    mask = pos[None, :] <= (q_start + torch.arange(T))[:, None]
+    q_pos = (q_start + torch.arange(T))[:, None]
+    mask = pos[None, :] <= q_pos
+    if window is not None:
+        mask &= pos[None, :] > q_pos - window
     return torch.einsum("htn,nhd->thd", torch.softmax(scores.masked_fill(~mask, -torch.inf), -1), v).reshape(
         T, -1
     )
@@ -93,3 +97,44 @@ def test_long_continuation_prefill_in_query_chunks_matches_the_reference(n_cache
     segments = [cached, Segment(k[n_cached:], v[n_cached:], n_cached)]
     q = torch.randn(T, Hq, D, generator=g)
     assert torch.allclose(attend(q, n_cached, segments), _reference(q, n_cached, segments), atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 4, 7, 40])
+@pytest.mark.parametrize("T", [1, 3, 9])
+@pytest.mark.parametrize("layout", ["plain", "lr", "two-segments-lr", "first-prefill"])
+def test_sliding_window_matches_the_masked_reference(window, T, layout):
+    """Keys ``p <= t - window`` are hidden, on the decode path, the fused path and a first prefill."""
+    g = torch.Generator().manual_seed(window * 10 + T)
+    Hq, Hkv, D, r = 6, 2, 8, 3
+    n = T if layout == "first-prefill" else 16
+
+    def seg(start, m, with_lr):
+        k, v = torch.randn(m, Hkv, D, generator=g), torch.randn(m, Hkv, D, generator=g)
+        if not with_lr:
+            return Segment(k, v, start)
+        return Segment(k, v, start, torch.randn(m, r, generator=g), torch.randn(r, Hkv * D, generator=g), 0.7)
+
+    if layout == "two-segments-lr":
+        segments = [seg(0, 10, True), seg(10, n - 10, False)]
+    else:
+        segments = [seg(0, n, layout == "lr")]
+    q = torch.randn(T, Hq, D, generator=g)
+    q_start = n - T
+    got = attend(q, q_start, segments, window)
+    assert torch.allclose(got, _reference(q, q_start, segments, window), atol=1e-5)
+    if window < n - 1:  # the window hides keys: the plain causal result differs
+        assert not torch.allclose(got, _reference(q, q_start, segments), atol=1e-3)
+
+
+def test_long_continuation_prefill_in_query_chunks_with_a_window():
+    """The query-chunked continuation path applies the window too."""
+    from precache.cache.attention.segments import CHUNK_MIN
+
+    g = torch.Generator().manual_seed(3)
+    T, n_cached, Hq, Hkv, D, window = 2 * CHUNK_MIN + 9, 40, 6, 2, 8, 50
+    n = n_cached + T
+    k, v = torch.randn(n, Hkv, D, generator=g), torch.randn(n, Hkv, D, generator=g)
+    segments = [Segment(k[:n_cached], v[:n_cached], 0), Segment(k[n_cached:], v[n_cached:], n_cached)]
+    q = torch.randn(T, Hq, D, generator=g)
+    got = attend(q, n_cached, segments, window)
+    assert torch.allclose(got, _reference(q, n_cached, segments, window), atol=1e-5)

@@ -186,10 +186,12 @@ def _prepare(plans: list[RowPlan]) -> list[_WriteSpec]:
 
 def _metadata(model, plans: list[RowPlan], num_tokens: int) -> BatchMetadata:
     rows = []
+    windows = model.config.layer_windows  # sliding windows per layer (Mistral, Qwen2/3)
+    window = windows if any(w is not None for w in windows) else None
     for plan in plans:
         split = len(plan.token_ids) <= DECODE_MAX
         reads = tuple(r for view in plan.views for r in view_reads(model, view, split))
-        rows.append(RowAttention(plan.row.slice, plan.pos0, reads))
+        rows.append(RowAttention(plan.row.slice, plan.pos0, reads, window))
     return BatchMetadata(tuple(rows), num_tokens)
 
 

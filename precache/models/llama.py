@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers.activations import ACT2FN
 
-from precache.errors import ContextLengthError
+from precache.errors import ContextLengthError, ModelLoadError
 from precache.models.config import ModelConfig
 from precache.models.contract import AttentionBackend, LayerInput, Row
-from precache.models.rope import RotaryEmbedding
+from precache.models.rope import RotaryEmbedding, static_position_limit
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,13 +39,31 @@ def _cat_bias(*biases: torch.Tensor | None, sizes: list[int], like: torch.Tensor
     return torch.cat([b if b is not None else like.new_zeros(n) for b, n in zip(biases, sizes, strict=True)])
 
 
+def _max_context(hf_config, config: ModelConfig, max_context: int | None) -> int:
+    limit = static_position_limit(hf_config)
+    if limit is None:
+        return max_context or config.max_position_embeddings
+    if max_context is not None and max_context > limit:
+        rope_type = hf_config.rope_parameters["rope_type"]
+        raise ModelLoadError(
+            f"max_context={max_context} is past {limit}, where '{rope_type}' RoPE recomputes its "
+            f"frequencies from the sequence length (rope_parameters.rope_type): keys in a KV cache "
+            f"cannot follow; use max_context <= {limit}"
+        )
+    return min(max_context or config.max_position_embeddings, limit)
+
+
 class LlamaModel:
     """Weights plus forward. Built by :func:`precache.load_model` from an HF state dict.
 
     q/k/v and gate/up weights are concatenated once, so a layer runs four matmuls instead of
     seven (decode on a CPU is dominated by per-op overhead). ``max_context`` (default
     ``max_position_embeddings``) sizes the RoPE tables; RoPE extends past the trained length as
-    it does in HF, with the quality loss that implies.
+    it does in HF, with the quality loss that implies. With ``dynamic`` or ``longrope`` RoPE the
+    context stops where HF's frequencies stop being static (:func:`static_position_limit`).
+
+    Raises:
+        ModelLoadError: ``max_context`` is past the static range of a dynamic / longrope RoPE.
 
     Attributes: ``config`` (:class:`ModelConfig`), ``hf_config``, ``tokenizer``, ``rope``,
     ``dtype``, ``device``, ``path`` (checkpoint folder), ``max_context`` (tokens).
@@ -67,7 +86,8 @@ class LlamaModel:
             state.get("lm_head.weight", self.embed) if not config.tie_word_embeddings else self.embed
         )
         self.layers = [self._layer_weights(state, i) for i in range(config.num_layers)]
-        self.max_context = max_context or config.max_position_embeddings
+        self.max_context = _max_context(hf_config, config, max_context)
+        self.act = ACT2FN[config.hidden_act]
         self.rope = RotaryEmbedding(hf_config, config.head_dim, self.max_context, self.dtype, self.device)
 
     def _layer_weights(self, state: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
@@ -77,7 +97,7 @@ class LlamaModel:
             proj: (state[f"{p}self_attn.{proj}.weight"], get(f"{p}self_attn.{proj}.bias"))
             for proj in ("q_proj", "k_proj", "v_proj", "o_proj")
         }
-        sizes = [c.q_size, c.kv_size, c.kv_size]
+        sizes, inter = [c.q_size, c.kv_size, c.kv_size], c.intermediate_size
         wq, wk, wv = (attn[x][0] for x in ("q_proj", "k_proj", "v_proj"))
         return {
             "input_norm": state[p + "input_layernorm.weight"],
@@ -91,7 +111,11 @@ class LlamaModel:
             "o_proj": attn["o_proj"][0],
             "o_proj_bias": attn["o_proj"][1],
             "gate_up": torch.cat([state[f"{p}mlp.gate_proj.weight"], state[f"{p}mlp.up_proj.weight"]]),
+            "gate_up_bias": _cat_bias(
+                get(f"{p}mlp.gate_proj.bias"), get(f"{p}mlp.up_proj.bias"), sizes=[inter, inter], like=wq
+            ),
             "down_proj": state[f"{p}mlp.down_proj.weight"],
+            "down_proj_bias": get(f"{p}mlp.down_proj.bias"),
         }
 
     def finish_kv(self, layer: int, k_lin, v_lin, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,9 +145,10 @@ class LlamaModel:
     def _mlp(self, x, i, rows) -> torch.Tensor:
         c, w = self.config, self.layers[i]
         h = rms_norm(x, w["post_norm"], c.rms_norm_eps)
-        gate, up = F.linear(h, w["gate_up"]).split([c.intermediate_size, c.intermediate_size], dim=-1)
-        gated = F.silu(add_lora(gate, h, rows, i, "gate_proj")) * add_lora(up, h, rows, i, "up_proj")
-        return add_lora(F.linear(gated, w["down_proj"]), gated, rows, i, "down_proj")
+        gate_up = F.linear(h, w["gate_up"], w["gate_up_bias"])
+        gate, up = gate_up.split([c.intermediate_size, c.intermediate_size], dim=-1)
+        gated = self.act(add_lora(gate, h, rows, i, "gate_proj")) * add_lora(up, h, rows, i, "up_proj")
+        return add_lora(F.linear(gated, w["down_proj"], w["down_proj_bias"]), gated, rows, i, "down_proj")
 
     @torch.inference_mode()
     def forward(
@@ -163,7 +188,8 @@ class LlamaModel:
 class DenseAttention:
     """Cache-free causal self-attention of each row over its own adapted K/V.
 
-    The reference full-sequence forward: no cache is read or written.
+    The reference full-sequence forward: no cache is read or written. A layer with a sliding
+    window (``config.window(layer)``) masks key positions ``p <= t - window`` for query ``t``.
     """
 
     def __init__(self, rows: list[Row]):
@@ -171,17 +197,25 @@ class DenseAttention:
 
     def attend(self, x: LayerInput) -> torch.Tensor:
         out = torch.empty(x.q.shape[0], x.q.shape[1] * x.q.shape[2], dtype=x.q.dtype, device=x.q.device)
+        window = x.model.config.window(x.layer)
         for row in self.rows:
             k, v = x.adapted_kv(row.slice, row.adapter)
             q = x.q[row.slice].transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
+            n = row.end - row.start
+            mask = None
+            if window is not None and n > window:
+                pos = torch.arange(n, device=q.device)
+                delta = pos[:, None] - pos[None, :]  # query minus key position
+                mask = (delta >= 0) & (delta < window)  # [n, n]
             o = F.scaled_dot_product_attention(
                 q,
                 k.transpose(0, 1).unsqueeze(0),
                 v.transpose(0, 1).unsqueeze(0),
-                is_causal=True,
+                attn_mask=mask,
+                is_causal=mask is None,
                 enable_gqa=True,
             )
-            out[row.slice] = o[0].transpose(0, 1).reshape(row.end - row.start, -1)
+            out[row.slice] = o[0].transpose(0, 1).reshape(n, -1)
         return out
 
 

@@ -1,9 +1,15 @@
 """Rotary position embedding (RoPE) tables, with every scaling type transformers knows.
 
-The inverse frequencies come from transformers' own ``ROPE_INIT_FUNCTIONS`` (default, linear,
-dynamic, yarn, longrope, llama3), so a checkpoint's ``rope_parameters`` mean the same here as in
-HF. Dynamic NTK scaling is applied at its base length (contexts here stay below
-``max_position_embeddings``).
+The inverse frequencies come from transformers' own ``ROPE_INIT_FUNCTIONS`` (linear, dynamic,
+yarn, longrope, llama3, proportional; ``default`` is ``base ** (-2i / head_dim)``), so a
+checkpoint's ``rope_parameters`` (or legacy ``rope_scaling`` / ``rope_theta``, which transformers
+folds into ``rope_parameters``) mean the same here as in HF.
+
+Two types recompute their frequencies from the sequence length in HF's forward: ``dynamic`` (NTK
+scaling past ``max_position_embeddings``) and ``longrope`` (long factors past
+``original_max_position_embeddings``). A KV cache holds keys rotated once, so we honour them up to
+that length, where HF's frequencies are the static ones, and refuse positions past it
+(:func:`static_position_limit`).
 """
 
 from __future__ import annotations
@@ -11,9 +17,56 @@ from __future__ import annotations
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from precache.errors import ModelLoadError
+
+
+def _params(hf_config) -> dict:
+    return getattr(hf_config, "rope_parameters", None) or {}
+
+
+def check_rope(hf_config) -> None:
+    """Refuse RoPE settings whose HF forward we cannot reproduce (before any weight is read).
+
+    Raises:
+        ModelLoadError: ``rope_parameters`` per layer type, an unknown ``rope_type``, or
+            ``partial_rotary_factor`` below 1 (rotating part of each head).
+    """
+    params = _params(hf_config)
+    if params and "rope_type" not in params and any(isinstance(v, dict) for v in params.values()):
+        raise ModelLoadError(
+            f"rope_parameters per layer type ({', '.join(params)}) are not supported "
+            "(supported: one rope_parameters dict for every layer)"
+        )
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ModelLoadError(
+            f"rope_parameters.rope_type '{rope_type}' is not supported "
+            f"(supported: default, {', '.join(ROPE_INIT_FUNCTIONS)})"
+        )
+    factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    if factor is not None and float(factor) != 1.0:
+        raise ModelLoadError(
+            f"partial_rotary_factor={factor} is not supported (supported: 1.0, RoPE over the whole head)"
+        )
+
+
+def static_position_limit(hf_config) -> int | None:
+    """Positions (exclusive) up to which HF's RoPE frequencies are static, or None (all positions).
+
+    ``dynamic``: ``max_position_embeddings`` (HF regrows the frequencies past it); ``longrope``:
+    ``original_max_position_embeddings`` (HF switches to the long factors past it).
+    """
+    params = _params(hf_config)
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "dynamic":
+        return int(hf_config.max_position_embeddings)
+    if rope_type == "longrope":
+        return int(params.get("original_max_position_embeddings") or hf_config.max_position_embeddings)
+    return None
+
 
 def _inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
-    params = getattr(hf_config, "rope_parameters", None) or {}
+    params = _params(hf_config)
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))

@@ -46,11 +46,23 @@ class KVRead:
 @dataclass(frozen=True)
 class RowAttention:
     """One row: queries ``q_rows`` of the batch at positions ``[q_start, q_start + T)``, reading ``reads``
-    (in position order; key position ``p`` is visible to query position ``t`` when ``p <= t``)."""
+    (in position order; key position ``p`` is visible to query position ``t`` when ``p <= t``).
+
+    ``window``: the sliding window of every layer in tokens, ``window[layer]`` None where the layer
+    attends to the whole prefix; None when no layer has one. At a windowed layer key ``p`` is
+    visible to query ``t`` only when ``t - window < p <= t`` (transformers'
+    ``sliding_window_overlay``: ``kv_idx > q_idx - sliding_window``). The reads still cover the
+    whole prefix: blocks that fell out of every window stay allocated (a backend skips them).
+    """
 
     q_rows: slice
     q_start: int
     reads: tuple[KVRead, ...]
+    window: tuple[int | None, ...] | None = None
+
+    def window_at(self, layer: int) -> int | None:
+        """Sliding window of ``layer`` in tokens, or None (full causal attention)."""
+        return None if self.window is None else self.window[layer]
 
 
 @dataclass(frozen=True)

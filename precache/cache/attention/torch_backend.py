@@ -29,13 +29,17 @@ def segment_at(read: KVRead, layer: int, model) -> Segment:
 
 @register_backend
 class TorchBackend(AttentionBackend):
-    """One SDPA call per prefill row, an explicit softmax per decode row (segments read in place)."""
+    """One SDPA call per prefill row, an explicit softmax per decode row (segments read in place);
+    a row's sliding window (:meth:`RowAttention.window_at`) is applied at each layer."""
 
     name = "torch"
 
     def forward(self, q: torch.Tensor, layer: int, meta: BatchMetadata, model) -> torch.Tensor:
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         for row in meta.rows:
-            segments = [segment_at(read, layer, model) for read in row.reads]
-            out[row.q_rows] = attend(q[row.q_rows], row.q_start, segments)
+            window = row.window_at(layer)
+            # reads wholly before the first query's window are never materialised
+            first_visible = -1 if window is None else row.q_start - window + 1
+            segments = [segment_at(read, layer, model) for read in row.reads if read.end > first_visible]
+            out[row.q_rows] = attend(q[row.q_rows], row.q_start, segments, window)
         return out
