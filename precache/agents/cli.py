@@ -82,7 +82,8 @@ def _engine(args: argparse.Namespace, method: str, adapters: dict[str, Path], mo
 
 def custom_question(text: str, paragraphs: str | Path, answer: str) -> Question:
     """A question of your own over paragraphs from a JSON file: ``[[title, [sentence, ...]], ...]``
-    (HotpotQA's ``context``), or ``{"context": [...]}``.
+    (HotpotQA's ``context``), or ``{"context": [...]}``; plain sentences are joined with a space,
+    as HotpotQA's read (:func:`~precache.agents.data.parse_context` with ``add_spaces``).
 
     Raises:
         DatasetError: the file is missing or not JSON, or the paragraphs have another shape; the
@@ -110,7 +111,7 @@ def custom_question(text: str, paragraphs: str | Path, answer: str) -> Question:
         type="",
         level="",
         supporting_facts=(),
-        context=parse_context(context, str(path)),
+        context=parse_context(context, str(path), add_spaces=True),
     )
 
 

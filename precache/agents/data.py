@@ -136,10 +136,11 @@ def _kind(value) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def parse_context(value, where: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+def parse_context(value, where: str, add_spaces: bool = False) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """Check paragraphs in HotpotQA's shape, ``[[title, [sentence, ...]], ...]``, and return them
-    as tuples. As in HotpotQA, every sentence after a paragraph's first starts with a space (one is
-    added where missing), so the tools' ``"".join(sentences)`` reads as text.
+    as tuples. HotpotQA's sentences carry their own separators (a later sentence starts with a
+    space) and are joined with ``""``, by the tools too; ``add_spaces`` reads plain sentences
+    instead: a space goes before each later sentence that neither starts with one nor follows one.
 
     ``where`` starts each error message (a file name, ``FILE line N``).
 
@@ -171,7 +172,7 @@ def parse_context(value, where: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
             )
         spaced = [sentences[0]]
         for sentence in sentences[1:]:
-            joined = spaced[-1][-1:].isspace() or sentence[:1].isspace()
+            joined = not add_spaces or spaced[-1][-1:].isspace() or sentence[:1].isspace()
             spaced.append(sentence if joined else " " + sentence)
         paragraphs.append((title, tuple(spaced)))
     return tuple(paragraphs)
@@ -186,7 +187,8 @@ def _text_field(row: dict, name: str, where: str, required: bool = True) -> str:
 
 def parse_record(row, where: str) -> Question:
     """A :class:`Question` from one HotpotQA record, checked field by field: ``id`` (or ``_id``),
-    ``question`` and ``answer`` non-empty strings, ``context`` as :func:`parse_context`,
+    ``question`` and ``answer`` non-empty strings, ``context`` as :func:`parse_context` (sentences
+    kept as given, HotpotQA's own text),
     optional ``supporting_facts`` (``[[title, sentence_index], ...]``), ``type`` and ``level``.
 
     Raises:
