@@ -1,0 +1,32 @@
+"""Scale-out on Ray Serve: N replicas, each one precache engine behind the same API as
+``precache serve``, behind one OpenAI endpoint whose request router keeps every turn of a
+trajectory, whichever agent takes it, on the replica that holds its caches.
+
+Modules: ``routing`` (block hashes and the placement rule, plain Python), ``router`` (the Ray
+``RequestRouter``), ``replica`` (the replica deployment over ``create_app``), ``ingress`` (the
+HTTP ingress that tokenizes for routing and relays), ``app`` (configuration, the Serve
+application, ``precache serve --replicas``). Ray is an optional extra: this package imports it
+only in those modules, and :func:`require_ray` says how to install it.
+"""
+
+from __future__ import annotations
+
+from precache.errors import PrecacheError
+
+RAY_MISSING = 'scale-out needs Ray Serve: pip install "precache[cluster]"'
+
+
+class MissingExtraError(PrecacheError, ImportError):
+    """An optional extra that a command needs is not installed."""
+
+
+def require_ray() -> None:
+    """Check that ``ray[serve]`` is importable.
+
+    Raises:
+        MissingExtraError: it is not (the message says how to install it).
+    """
+    try:
+        import ray.serve  # noqa: F401
+    except ImportError as exc:
+        raise MissingExtraError(RAY_MISSING) from exc

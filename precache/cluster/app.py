@@ -1,0 +1,253 @@
+"""The Ray Serve application: ``replicas`` × :class:`~precache.cluster.replica.PrecacheReplica`
+behind one :class:`~precache.cluster.ingress.PrecacheIngress`, routed by
+:class:`~precache.cluster.router.TrajectoryAffinityRouter` (or Ray's default router, to compare).
+
+Request path: client -> Ray's HTTP proxy -> ingress (tokenize, block hashes) -> the handle's
+request router (choose a replica) -> replica (``create_app``'s routes, server loop, engine) -> the
+response streamed back through the ingress, with the ``x-precache-replica`` header.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from precache.cluster.ingress import PrecacheIngress
+from precache.cluster.replica import PrecacheReplica
+from precache.cluster.routing import DEFAULT_ROUTING_BLOCK
+
+logger = logging.getLogger(__name__)
+
+APP_NAME = "precache"
+REPLICA_DEPLOYMENT = "PrecacheReplica"
+ROUTERS = ("affinity", "default")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """How the cluster places replicas and routes requests.
+
+    ``replicas``: engine replicas; ``router``: ``"affinity"`` (trajectory affinity) or ``"default"``
+    (Ray's power-of-two-choices router); ``routing_block``: tokens per routing block;
+    ``max_ongoing_requests``: requests one replica takes at once (more wait in the router);
+    ``new_trajectory_limit``: requests in flight at which a replica stops taking new trajectories
+    (None: three quarters of ``max_ongoing_requests``); ``stats_period_s``: seconds between
+    replicas' routing reports; ``attempts``: tries of a request whose replica dies before
+    answering; ``num_cpus_per_replica`` / ``num_gpus_per_replica``: Ray resources of a replica.
+
+    Raises:
+        ValueError: a field out of range (named in the message).
+    """
+
+    replicas: int = 2
+    router: str = "affinity"
+    routing_block: int = DEFAULT_ROUTING_BLOCK
+    max_ongoing_requests: int = 32
+    new_trajectory_limit: int | None = None
+    stats_period_s: float = 1.0
+    attempts: int = 3
+    num_cpus_per_replica: float = 1.0
+    num_gpus_per_replica: float = 0.0
+
+    def __post_init__(self):
+        checks = [
+            (self.replicas >= 1, "replicas must be at least 1"),
+            (self.router in ROUTERS, f"router must be one of {', '.join(ROUTERS)}"),
+            (self.routing_block >= 1, "routing_block must be at least 1"),
+            (self.max_ongoing_requests >= 1, "max_ongoing_requests must be at least 1"),
+            (
+                self.new_trajectory_limit is None
+                or 1 <= self.new_trajectory_limit <= self.max_ongoing_requests,
+                "new_trajectory_limit must be in [1, max_ongoing_requests]",
+            ),
+            (self.stats_period_s > 0, "stats_period_s must be > 0"),
+            (self.attempts >= 1, "attempts must be at least 1"),
+            (self.num_cpus_per_replica >= 0 and self.num_gpus_per_replica >= 0, "resources must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"{message}, got {self}")
+
+    @property
+    def new_limit(self) -> int:
+        """Requests in flight at which a replica sheds new trajectories."""
+        if self.new_trajectory_limit is not None:
+            return self.new_trajectory_limit
+        return max(1, (3 * self.max_ongoing_requests) // 4)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """A picklable recipe of a replica's engine, built in the replica's process: ``model`` (an HF
+    checkpoint folder), ``adapters`` (name -> folder), and the engine's options."""
+
+    model: str
+    adapters: dict[str, str] = field(default_factory=dict)
+    method: str = "prelrshared"
+    kv_cache_bytes: int | None = None
+    dtype: str = "float32"
+    device: str | None = None
+
+    def __call__(self):
+        import torch
+
+        import precache
+
+        model = precache.load_model(self.model, dtype=getattr(torch, self.dtype), device=self.device)
+        return precache.Engine(
+            model, adapters=self.adapters, method=self.method, kv_cache_bytes=self.kv_cache_bytes
+        )
+
+
+def build_app(engine_factory, tokenizer, vocab_size: int, server_config, cluster: ClusterConfig):
+    """The Serve application (not yet running): ``engine_factory()`` builds each replica's engine,
+    ``tokenizer`` / ``vocab_size`` let the ingress tokenize prompts as the replicas do,
+    ``server_config`` is every replica's :class:`~precache.server.config.ServerConfig`."""
+    router = RequestRouterConfig(request_routing_stats_period_s=cluster.stats_period_s)
+    if cluster.router == "affinity":
+        router = RequestRouterConfig(
+            request_router_class="precache.cluster.router.TrajectoryAffinityRouter",
+            request_router_kwargs={
+                "new_limit": cluster.new_limit,
+                "ttl_s": max(30.0, 5 * cluster.stats_period_s),
+            },
+            request_routing_stats_period_s=cluster.stats_period_s,
+        )
+    replica = serve.deployment(
+        PrecacheReplica,
+        name=REPLICA_DEPLOYMENT,
+        num_replicas=cluster.replicas,
+        max_ongoing_requests=cluster.max_ongoing_requests,
+        ray_actor_options={
+            "num_cpus": cluster.num_cpus_per_replica,
+            "num_gpus": cluster.num_gpus_per_replica,
+        },
+        request_router_config=router,
+    )
+    ingress = serve.deployment(
+        PrecacheIngress,
+        name="PrecacheIngress",
+        num_replicas=1,
+        max_ongoing_requests=10_000,  # it only relays: the replicas' limits apply
+        ray_actor_options={"num_cpus": 0},
+    )
+    return ingress.bind(
+        replica.bind(engine_factory, server_config, cluster.routing_block),
+        tokenizer,
+        vocab_size,
+        cluster.routing_block,
+        cluster.attempts,
+    )
+
+
+class ClusterServer:
+    """``with ClusterServer(app, port=0) as server: server.url`` runs ``app`` on Ray Serve: it joins
+    the cluster at ``ray_address`` or starts a local Ray instance (``num_cpus``: its CPUs; by
+    default this machine's), serves HTTP on ``host:port`` (0: a free port), and on exit deletes
+    the application (and shuts down the Ray instance it started)."""
+
+    def __init__(
+        self, app, host: str = "127.0.0.1", port: int = 8000, ray_address: str | None = None, **init
+    ):
+        self.app, self.host, self.port, self.ray_address, self.init = app, host, port, ray_address, init
+        self._started_ray = False
+
+    @property
+    def url(self) -> str:
+        """Base URL of the OpenAI API."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    def start(self) -> ClusterServer:
+        if not ray.is_initialized():
+            options = {"include_dashboard": False, "log_to_driver": False, **self.init}
+            if self.ray_address is None and self.host in ("127.0.0.1", "localhost"):
+                options.setdefault("_node_ip_address", "127.0.0.1")
+            ray.init(address=self.ray_address, **options)
+            self._started_ray = self.ray_address is None
+        if self.port == 0:
+            self.port = _free_port(self.host)
+        serve.start(http_options={"host": self.host, "port": self.port})
+        serve.run(self.app, name=APP_NAME, route_prefix="/")
+        return self
+
+    def stop(self) -> None:
+        serve.delete(APP_NAME)
+        if self._started_ray:
+            serve.shutdown()
+            ray.shutdown()
+
+    def __enter__(self) -> ClusterServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def local_cpus(cluster: ClusterConfig) -> int:
+    """CPUs of a local Ray instance: this machine's, and at least what the replicas ask for."""
+    return max(os.cpu_count() or 1, math.ceil(cluster.replicas * cluster.num_cpus_per_replica))
+
+
+def serve_from_args(args) -> int:
+    """``precache serve --replicas N | --ray-address ADDR``: load the tokenizer here, the engines
+    in the replicas, and serve until interrupted."""
+    import time
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from precache.models.loader import resolve_checkpoint
+    from precache.server.cli import adapters_from_args
+    from precache.server.config import ServerConfig
+
+    folder = resolve_checkpoint(args.model)
+    server_config = ServerConfig(
+        model_name=args.served_model_name or folder.name,
+        max_cache_bytes=args.max_cache_bytes,
+        max_running=args.max_num_seqs,
+        max_step_tokens=args.max_num_batched_tokens,
+    )
+    tokenizer = (
+        AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None
+    )
+    vocab = AutoConfig.from_pretrained(folder).vocab_size
+    adapters = {name: str(Path(p).resolve()) for name, p in adapters_from_args(args).items()}
+    gpus = args.num_gpus_per_replica
+    device = args.device or ("cuda" if gpus > 0 else None)
+    spec = EngineSpec(str(folder), adapters, args.method, args.kv_cache_bytes, args.dtype, device)
+    cluster = ClusterConfig(
+        replicas=args.replicas or 1,
+        num_cpus_per_replica=args.num_cpus_per_replica,
+        num_gpus_per_replica=gpus,
+        max_ongoing_requests=args.max_num_seqs,
+    )
+    app = build_app(spec, tokenizer, vocab, server_config, cluster)
+    init = {} if args.ray_address else {"num_cpus": local_cpus(cluster)}
+    with ClusterServer(app, args.host, args.port, args.ray_address, **init) as server:
+        logger.info(
+            "serving %s on %d replicas (%s router) at %s",
+            server_config.model_name,
+            cluster.replicas,
+            cluster.router,
+            server.url,
+        )
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            logger.info("stopping")
+    return 0
