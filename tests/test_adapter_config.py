@@ -242,3 +242,14 @@ def test_null_fields_that_peft_accepts_load_equal_in_peft(llama, tmp_path):
     peft_fails = {"r", "lora_alpha", "lora_dropout", "bias", "rank_pattern", "alpha_pattern", "peft_type"}
     folder = edit_config(base, tmp_path / "null", **{k: None for k in cfg if k not in peft_fails})
     assert_every_method_matches_peft(model, hf, folder)
+
+
+def test_bias_lora_only_on_layers_without_bias_adds_nothing_on_qwen2(tmp_path):
+    """Qwen2 has q/k/v biases, o_proj and the MLP none: bias='lora_only' on o/gate saves no bias
+    tensor, so the adapter is plain LoRA, equal to PEFT (with bias tensors it is refused:
+    tests/test_adapter_errors.py)."""
+    model, hf = tiny_model("qwen2", seed=0, num_layers=2)
+    folder = save_peft_adapter(
+        hf, tmp_path / "a", r=4, target_modules=["o_proj", "gate_proj"], bias="lora_only"
+    )
+    assert_every_method_matches_peft(model, hf, folder)
