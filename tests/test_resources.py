@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
 
+import precache
+from precache.agents import data
+from precache.bench.trace import load_trace
 from precache.errors import AdapterError, TraceError
 from precache.resources import ADAPTER_ROOT, TRACE_ROOT, adapter_set, shipped_traces, trace_path
 
@@ -48,3 +52,23 @@ def test_traces_by_shipped_name_or_by_file(tmp_path):
     assert trace_path(own) == own
     with pytest.raises(TraceError, match=r"no shipped trace 'paper_L9' \(shipped: .*paper_L1024.*smoke"):
         trace_path("paper_L9")
+
+
+def test_shipped_files_are_package_data_found_from_any_directory(tmp_path, monkeypatch):
+    package = Path(precache.__file__).parent
+    assert package / "assets" / "adapters" / "smollm2-135m" == ADAPTER_ROOT
+    assert package / "assets" / "traces" == TRACE_ROOT
+    assert data.hotpotqa_dir() == package / "assets" / "hotpotqa"
+    # assets/ is declared package data (test_cli_install installs a wheel and reads them there)
+    declared = tomllib.loads((package.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert declared["package-data"]["precache"] == ["assets/**/*"]
+    monkeypatch.chdir(tmp_path)  # names resolve wherever the command runs
+    assert adapter_set("qv", ROLES) == {a: ADAPTER_ROOT / "qv" / a for a in ROLES}
+    assert trace_path("paper_L1024") == TRACE_ROOT / "paper_L1024.csv"
+    assert len(data.load_questions("dev")) == 60
+    # a relative path is read from the working directory, before the shipped names
+    (tmp_path / "mine.csv").write_text("agent,prefill_len,decode_len\nplan,4,2\n")
+    assert trace_path("mine.csv") == Path("mine.csv")
+    assert load_trace(trace_path("mine.csv")).total_tokens == 6
+    with pytest.raises(AdapterError, match=r"no PEFT adapter folders .* under qv2"):
+        adapter_set("qv2")
