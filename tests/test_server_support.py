@@ -17,6 +17,8 @@ from precache.server import LiveServer, ServerConfig, create_app
 SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]  # <|im_end|> = 2 = the tiny config's EOS
 CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 \n.,:;!?'-()\"#$%&*+/<=>@[]\\^_`~"
 CHAT_TEMPLATE = (
+    "{% if hint is defined %}<|im_start|>system\n{{ hint }}<|im_end|>\n{% endif %}"
+    "{% for d in documents or [] %}<|im_start|>doc\n{{ d['text'] }}<|im_end|>\n{% endfor %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

@@ -30,6 +30,7 @@ from precache.server.protocol import (
     check_fields,
     check_prompt,
     check_room,
+    check_token_ids,
     sampling_params,
 )
 from precache.server.responses import Renderer, sse
@@ -130,6 +131,7 @@ class _Api:
         room = self.engine.max_context - len(ids)
         params = sampling_params(body, room if default_max is None else default_max)
         check_room(body, len(ids), params.max_new_tokens, self.engine.max_context)
+        check_token_ids(params, self.engine.model.config.vocab_size)
         job = Job(agent, ids, params, body.model, body.session_id, n=body.n)
         job.bind(asyncio.get_running_loop())
         renderer = Renderer(

@@ -319,3 +319,14 @@ def check_room(req: _GenerationRequest, n_prompt: int, max_tokens: int, max_cont
             name,
             "context_length_exceeded",
         )
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Refuse ``stop_token_ids`` or ``logit_bias`` keys outside ``[0, vocab_size)`` (400 naming the field)."""
+    for name, ids in (
+        ("stop_token_ids", params.stop_token_ids),
+        ("logit_bias", [t for t, _ in params.logit_bias]),
+    ):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise _refuse(name, f"token ids must be in [0, {vocab_size}), got {bad[:5]}", "invalid_value")
