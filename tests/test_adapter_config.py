@@ -253,3 +253,21 @@ def test_bias_lora_only_on_layers_without_bias_adds_nothing_on_qwen2(tmp_path):
         hf, tmp_path / "a", r=4, target_modules=["o_proj", "gate_proj"], bias="lora_only"
     )
     assert_every_method_matches_peft(model, hf, folder)
+
+
+def test_lora_bias_on_q_o_and_mlp_equals_peft(llama, tmp_path):
+    """lora_bias: ``s ((x A) B + b)``, with a per-module scaling (alpha_pattern) folded into b too."""
+    model, hf = llama
+    folder = save_peft_adapter(
+        hf,
+        tmp_path / "a",
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        lora_bias=True,
+        rank_pattern={"up_proj": 2},
+        alpha_pattern={"o_proj": 20},
+    )
+    adapter = load_adapter(folder, model.config)
+    assert len(adapter.biases) == 5 * model.config.num_layers
+    assert_every_method_matches_peft(model, hf, folder)

@@ -70,7 +70,6 @@ def test_malformed_weights_file(setup, tmp_path):
 # every LoraConfig option that changes the forward and that precache does not implement
 REFUSED = [
     ("use_dora", True),
-    ("lora_bias", True),
     ("modules_to_save", ["lm_head"]),
     ("trainable_token_indices", [1, 2]),
     ("target_parameters", ["mlp.experts.down_proj"]),
@@ -131,7 +130,10 @@ def _peft_folder(hf, path, **options):
         (dict(target_modules=["q_proj"], modules_to_save=["lm_head"]), "modules_to_save"),
         (dict(target_modules=["q_proj", "embed_tokens"]), "target_modules"),
         (dict(target_modules=["q_proj", "lm_head"]), "target_modules"),
-        (dict(target_modules=["q_proj"], lora_bias=True), "lora_bias"),
+        (
+            dict(target_modules=["q_proj", "v_proj"], lora_bias=True),
+            "lora_bias' = True is not supported on v_proj",
+        ),
         (dict(target_modules=["q_proj"], use_dora=True), "use_dora"),
     ],
     ids=["modules_to_save", "embed_tokens", "lm_head", "lora_bias", "use_dora"],
@@ -139,7 +141,7 @@ def _peft_folder(hf, path, **options):
 def test_peft_saved_adapters_with_refused_options_name_the_option(setup, tmp_path, options, field):
     """Adapters PEFT itself saved: the error names the config option, not a tensor."""
     folder = _peft_folder(setup[1], tmp_path / "a", **options)
-    with pytest.raises(AdapterError, match=f"field '{field}'"):
+    with pytest.raises(AdapterError, match=f"field '{field}"):
         load_adapter(folder, setup[0].config)
 
 
@@ -161,6 +163,21 @@ def test_rank_pattern_that_does_not_fit_the_weights(setup, tmp_path):
         AdapterError, match=r"q_proj has lora_A \(4, 64\).*rank 2 \('rank_pattern' in adapter_config.json\)"
     ):
         load_adapter(folder, setup[0].config)
+
+
+def test_lora_bias_flag_and_tensors_must_agree(setup, tmp_path):
+    folder = _copy(setup[2], tmp_path / "x")
+    _edit_config(folder, lora_bias=True)
+    with pytest.raises(
+        AdapterError, match="q_proj has no lora_B bias, but adapter_config.json has lora_bias"
+    ):
+        load_adapter(folder, setup[0].config)
+    biased = _peft_folder(setup[1], tmp_path / "b", target_modules=["q_proj"], lora_bias=True)
+    _edit_config(biased, lora_bias=False)
+    with pytest.raises(
+        AdapterError, match="lora_B.bias' is a LoRA bias, but adapter_config.json has lora_bias false"
+    ):
+        load_adapter(biased, setup[0].config)
 
 
 def test_overlapping_rank_pattern_keys_that_peft_cannot_reload(setup, tmp_path):

@@ -40,7 +40,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["PROJECTIONS", "LoRAAdapter", "load_adapter"]
 
-_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.\w+)?\.weight$")
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.\w+)?\.(weight|bias)$")
+#: a LoRA B bias on k / v would need a bias term in every split cache view: not implemented
+_NO_LORA_BIAS = ("k_proj", "v_proj")
 
 
 @dataclass
@@ -49,7 +51,9 @@ class LoRAAdapter:
 
     ``rank`` is the LR width (the largest module rank; lower-rank modules are zero-padded to it),
     ``scaling`` the one scaling ``s`` applied to every module (per-module scalings are folded into
-    ``B``), ``ranks[(layer, proj)]`` each module's own rank as PEFT has it.
+    ``B``), ``ranks[(layer, proj)]`` each module's own rank as PEFT has it, ``biases[(layer, proj)]``
+    the LoRA B bias ``b`` ``[d_out]`` of ``lora_bias`` adapters (never on k_proj / v_proj), which
+    :meth:`delta` adds as ``s b``.
     """
 
     name: str
@@ -60,6 +64,7 @@ class LoRAAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
     path: str = ""
     ranks: dict[tuple[int, str], int] = field(default_factory=dict, repr=False)
+    biases: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def has(self, layer: int, proj: str) -> bool:
         return (layer, proj) in self.weights
@@ -73,21 +78,31 @@ class LoRAAdapter:
         return (z @ self.weights[(layer, proj)][1]) * self.scaling
 
     def delta(self, x: torch.Tensor, layer: int, proj: str) -> torch.Tensor:
-        """``s (x A) B``: ``[n, d_in] -> [n, d_out]``."""
-        return self.up(self.down(x, layer, proj), layer, proj)
+        """``s ((x A) B + b)``: ``[n, d_in] -> [n, d_out]`` (``b`` = 0 without ``lora_bias``)."""
+        out = self.up(self.down(x, layer, proj), layer, proj)
+        bias = self.biases.get((layer, proj))
+        return out if bias is None else out + bias * self.scaling
 
     def nbytes(self) -> int:
-        return sum(
-            a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values()
-        )
+        tensors = [t for ab in self.weights.values() for t in ab] + list(self.biases.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def to(self, dtype: torch.dtype, device=None) -> LoRAAdapter:
         weights = {
             k: (a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
             for k, (a, b) in self.weights.items()
         }
+        biases = {k: b.to(device=device, dtype=dtype) for k, b in self.biases.items()}
         return LoRAAdapter(
-            self.name, self.rank, self.alpha, self.scaling, self.targets, weights, self.path, self.ranks
+            self.name,
+            self.rank,
+            self.alpha,
+            self.scaling,
+            self.targets,
+            weights,
+            self.path,
+            self.ranks,
+            biases,
         )
 
 
@@ -145,6 +160,9 @@ def _collect_pairs(
         if m is None:
             raise _refuse_tensor(file, key, options)
         layer, proj, which = int(m.group(1)), m.group(2), m.group(3)
+        if m.group(4) == "bias":
+            _check_lora_bias(file, key, which, proj, options)
+            which = "bias"
         if proj not in PROJECTIONS:
             raise AdapterError(f"{file}: tensor '{key}' targets '{proj}', not one of {PROJECTIONS}")
         if layer >= model_config.num_layers:
@@ -153,6 +171,20 @@ def _collect_pairs(
             )
         pairs.setdefault((layer, proj), {})[which] = tensor
     return pairs
+
+
+def _check_lora_bias(file: Path, key: str, which: str, proj: str, options: LoraOptions) -> None:
+    if which == "A" or not options.lora_bias:
+        raise AdapterError(
+            f"{file}: tensor '{key}' is a LoRA bias, but adapter_config.json has lora_bias false (PEFT would "
+            "not load it)"
+        )
+    if proj in _NO_LORA_BIAS:
+        raise AdapterError(
+            f"{file}: field 'lora_bias' = True is not supported on {proj} (tensor '{key}'): the sharing "
+            "methods split K/V into base + LR parts with no place for an adapter bias; supported: lora_bias "
+            "on q_proj, o_proj, gate_proj, up_proj, down_proj"
+        )
 
 
 def _check_targets(pairs: dict, targeted: set[tuple[int, str]], file: Path) -> None:
@@ -175,8 +207,8 @@ def load_adapter(path: str | Path, model_config: ModelConfig, name: str | None =
     """Load a PEFT LoRA adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
 
     Raises:
-        AdapterError: missing or malformed file, an option we do not honour (DoRA, lora_bias,
-            modules_to_save, LoRA on embed_tokens / lm_head, ...: :mod:`precache.lora.peft_config`),
+        AdapterError: missing or malformed file, an option we do not honour (DoRA, lora_bias on
+            k_proj / v_proj, modules_to_save, LoRA on embed_tokens / lm_head, ...: :mod:`precache.lora.peft_config`),
             bias tensors, weights for modules the config does not target (or none for one it does),
             or weights whose shapes do not fit ``model_config`` and the module's rank. The message
             names the file and the field.
@@ -196,28 +228,57 @@ def load_adapter(path: str | Path, model_config: ModelConfig, name: str | None =
     _check_targets(pairs, targeted, file)
     ranks = {key: options.rank(projection_module(*key)) for key in pairs}
     width, scaling = max(ranks.values()), options.scaling()
-    weights = {}
-    for (layer, proj), ab in sorted(pairs.items()):
-        if set(ab) != {"A", "B"}:
-            raise AdapterError(f"{file}: layer {layer} {proj} has lora_{''.join(ab)} but not both A and B")
-        module, r = projection_module(layer, proj), ranks[(layer, proj)]
-        d_in, d_out = model_config.projection_shape(proj)
-        a, b = ab["A"], ab["B"]
-        if tuple(a.shape) != (r, d_in) or tuple(b.shape) != (d_out, r):
-            source = f"'{options.rank_source(module)}'"
-            raise AdapterError(
-                f"{file}: layer {layer} {proj} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
-                f"rank {r} ({source} in adapter_config.json) on this model needs ({r}, {d_in}) and ({d_out}, {r})"
-            )
-        a, b = a.T, b.T
-        ratio = options.scaling(module) / scaling
-        if ratio != 1.0:
-            b = (b.float() * ratio).to(b.dtype)
-        if r < width:
-            a = torch.nn.functional.pad(a, (0, width - r))
-            b = torch.nn.functional.pad(b, (0, 0, 0, width - r))
-        weights[(layer, proj)] = (a.contiguous(), b.contiguous())
+    weights, biases = {}, {}
+    for (layer, proj), tensors in sorted(pairs.items()):
+        ratio = options.scaling(projection_module(layer, proj)) / scaling
+        a, b = _module_weights(tensors, layer, proj, options, model_config, file)
+        weights[(layer, proj)] = (_pad_rank(a, width, dim=1), _pad_rank(_rescale(b, ratio), width, dim=0))
+        if "bias" in tensors:
+            biases[(layer, proj)] = _rescale(tensors["bias"], ratio)
     targets = frozenset(proj for _, proj in weights)
-    return LoRAAdapter(
-        name or folder.name, width, options.lora_alpha, scaling, targets, weights, str(folder), ranks
-    )
+    name = name or folder.name
+    return LoRAAdapter(name, width, options.lora_alpha, scaling, targets, weights, str(folder), ranks, biases)
+
+
+def _module_weights(
+    tensors: dict[str, torch.Tensor],
+    layer: int,
+    proj: str,
+    options: LoraOptions,
+    model_config: ModelConfig,
+    file: Path,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A [d_in, r], B [r, d_out])`` of one module, checked against its rank and the model."""
+    module = projection_module(layer, proj)
+    if not {"A", "B"} <= tensors.keys():
+        raise AdapterError(
+            f"{file}: layer {layer} {proj} has lora_{''.join(k for k in tensors if k in ('A', 'B'))} but not both A and B"
+        )
+    if options.lora_bias and "bias" not in tensors:
+        raise AdapterError(
+            f"{file}: layer {layer} {proj} has no lora_B bias, but adapter_config.json has lora_bias"
+        )
+    r, (d_in, d_out) = options.rank(module), model_config.projection_shape(proj)
+    a, b = tensors["A"], tensors["B"]
+    if tuple(a.shape) != (r, d_in) or tuple(b.shape) != (d_out, r):
+        raise AdapterError(
+            f"{file}: layer {layer} {proj} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
+            f"rank {r} ('{options.rank_source(module)}' in adapter_config.json) on this model needs "
+            f"({r}, {d_in}) and ({d_out}, {r})"
+        )
+    if "bias" in tensors and tuple(tensors["bias"].shape) != (d_out,):
+        raise AdapterError(
+            f"{file}: layer {layer} {proj} has a lora_B bias of shape {tuple(tensors['bias'].shape)}, not ({d_out},)"
+        )
+    return a.T, b.T
+
+
+def _rescale(t: torch.Tensor, ratio: float) -> torch.Tensor:
+    """``ratio * t`` (a module's scaling over the adapter's), computed in fp32."""
+    return t if ratio == 1.0 else (t.float() * ratio).to(t.dtype)
+
+
+def _pad_rank(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """Zero-pad the rank dimension ``dim`` of ``A [d_in, r]`` (1) or ``B [r, d_out]`` (0) to ``width``."""
+    pad = (0, width - t.shape[1]) if dim == 1 else (0, 0, 0, width - t.shape[0])
+    return torch.nn.functional.pad(t, pad).contiguous()

@@ -14,7 +14,9 @@ Honoured exactly as PEFT applies them (``peft/tuners/lora``, ``peft/tuners/tuner
   ``v_proj``), ``exclude_modules`` (same rules), ``layers_to_transform`` / ``layers_pattern``
   (LoRA only on the listed layer indices), ``bias`` (``"none"``; ``"all"`` / ``"lora_only"`` only
   mark base biases trainable, so they are accepted when the adapter file holds no bias tensor:
-  see :mod:`precache.lora.adapter`), ``fan_in_fan_out`` (PEFT resets it to false on
+  see :mod:`precache.lora.adapter`), ``lora_bias`` (a bias ``b`` on LoRA B, added as ``s b``) on
+  q_proj, o_proj and the MLP (refused on k_proj / v_proj, whose LoRA part the sharing methods keep
+  as an LR cache with no place for a bias), ``fan_in_fan_out`` (PEFT resets it to false on
   ``nn.Linear`` layers, as every Llama projection is).
 Accepted, as they do not change the loaded adapter's forward: ``task_type``, ``peft_type``
   (``LORA``), ``auto_mapping``, ``peft_version``, ``base_model_name_or_path`` (a warning when it
@@ -27,7 +29,7 @@ Accepted, as they do not change the loaded adapter's forward: ``task_type``, ``p
   ``runtime_config`` (never saved).
 Refused by name: ``init_lora_weights`` = ``pissa*`` / ``olora`` / ``corda`` / ``loftq`` (PEFT
   recomputes them when loading and rewrites the base weights; save the adapter with
-  ``path_initial_model_for_weight_conversion`` to get a plain LoRA), ``use_dora``, ``lora_bias``,
+  ``path_initial_model_for_weight_conversion`` to get a plain LoRA), ``use_dora``,
   ``modules_to_save``, ``trainable_token_indices``, ``target_parameters``, ``layer_replication``,
   ``megatron_config``, ``use_qalora``, ``alora_invocation_tokens``, ``velora_config``,
   ``kasa_config``, ``monteclora_config``, ``use_bdlora``, ``arrow_config``; LoRA on
@@ -57,7 +59,6 @@ SUPPORTED = "plain LoRA (lora_A / lora_B) on " + ", ".join(PROJECTIONS)
 #: (PEFT turns a variant on by truthiness, and a ``*_config`` dict, even ``{}``, builds a config)
 _REFUSED: dict[str, tuple] = {
     "use_dora": (False,),
-    "lora_bias": (False,),
     "modules_to_save": ([],),
     "trainable_token_indices": ([], {}),
     "target_parameters": ([],),
@@ -106,6 +107,7 @@ _HONOURED = frozenset(
         "rank_pattern",
         "alpha_pattern",
         "bias",
+        "lora_bias",
     }
 )
 _PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal", "mica", "lora_ga")
@@ -168,6 +170,7 @@ class LoraOptions:
     rank_pattern: tuple[tuple[str, int], ...]
     alpha_pattern: tuple[tuple[str, float], ...]
     bias: str
+    lora_bias: bool
 
     def targets(self, name: str) -> bool:
         """Whether PEFT puts a LoRA layer on module ``name`` (``check_target_module_exists``)."""
@@ -331,6 +334,7 @@ def parse_options(cfg: dict, cfg_file: Path) -> LoraOptions:
         rank_pattern=_pattern(cfg, cfg_file, "rank_pattern", integer=True),
         alpha_pattern=_pattern(cfg, cfg_file, "alpha_pattern", integer=False),
         bias=cfg.get("bias") or "none",
+        lora_bias=bool(cfg.get("lora_bias")),
     )
 
 
