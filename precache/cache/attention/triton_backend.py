@@ -76,7 +76,8 @@ class TritonBackend(AttentionBackend):
 
     ``num_splits`` fixes the number of key splits per program (flash-decoding); None picks one
     from the device's multiprocessor count (1 on CPU, where the kernel runs in Triton's
-    interpreter, ``TRITON_INTERPRET=1``). ``block_n`` is the key tile (tokens).
+    interpreter, ``TRITON_INTERPRET=1``). ``block_n`` is the key tile (tokens). ``refused``: the
+    reasons for which some forward ran the torch reference instead (empty when none did).
 
     Raises:
         ImportError: triton is not installed (``pip install 'precache[triton]'``).
@@ -95,7 +96,7 @@ class TritonBackend(AttentionBackend):
         self._meta: BatchMetadata | None = None
         self._prepared: _Prepared | None = None
         self._stacks: dict[tuple, tuple] = {}
-        self._refused: set[str] = set()
+        self.refused: set[str] = set()
 
     # -- per forward -----------------------------------------------------------------------------
     def _refusal(self, q: torch.Tensor, meta: BatchMetadata) -> str | None:
@@ -152,7 +153,9 @@ class TritonBackend(AttentionBackend):
             for read in row.reads:
                 n = read.end - read.start
                 rr = read.rows
-                slots.append(torch.arange(rr.start, rr.start + n) if isinstance(rr, slice) else rr.cpu())
+                slots.append(
+                    torch.arange(rr.start, rr.start + n, device=q.device) if isinstance(rr, slice) else rr
+                )  # index tensors are already on the device: no host round trip
                 positions.append(torch.arange(read.start, read.end))
                 lr_flags.append(torch.full((n,), int(read.lr_cols is not None and read.adapter is not None)))
                 if read.lr_cols is not None and read.adapter is not None:
@@ -179,7 +182,7 @@ class TritonBackend(AttentionBackend):
         n_tiles = len(tiles)
         return _Prepared(
             pool=pool,
-            key_slot=torch.cat(slots).to(**as_int),
+            key_slot=torch.cat([s.to(**as_int) for s in slots]),
             key_pos=torch.cat(positions).to(**as_int),
             key_lr=torch.cat(lr_flags).to(dtype=torch.int8, device=device),
             rows=torch.tensor(rows, **as_int).T.contiguous(),
@@ -210,8 +213,8 @@ class TritonBackend(AttentionBackend):
         if self._meta is not meta:
             reason = self._refusal(q, meta)
             self._meta, self._prepared = meta, None if reason else self._prepare(q, meta, model)
-            if reason and reason not in self._refused:
-                self._refused.add(reason)
+            if reason and reason not in self.refused:
+                self.refused.add(reason)
                 logger.info("triton attention backend: %s; this forward runs the torch reference", reason)
         if self._prepared is None:
             return self._torch.forward(q, layer, meta, model)
@@ -270,6 +273,7 @@ class TritonBackend(AttentionBackend):
             HAS_K_LR=p.has_k,
             HAS_V_LR=p.has_v,
             SPLIT=p.n_splits > 1,
+            UPCAST=q.device.type == "cpu",  # only the interpreter runs on CPU tensors
         )
         if p.n_splits > 1:
             self._kernels.combine_splits(part_o, part_ml, out)

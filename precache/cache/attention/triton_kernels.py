@@ -27,6 +27,17 @@ import triton.language as tl
 
 
 @triton.jit
+def _mma(a, b, UPCAST: tl.constexpr):
+    """``a @ b`` accumulated in fp32; ``UPCAST`` multiplies fp32 copies (Triton's interpreter has no
+    bf16 matmul: numpy lacks the type)."""
+    if UPCAST:  # noqa: SIM108 (a constexpr branch, resolved at compile time)
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
 def paged_lora_attention(
     q_ptr,
     out_ptr,
@@ -73,6 +84,7 @@ def paged_lora_attention(
     HAS_K_LR: tl.constexpr,
     HAS_V_LR: tl.constexpr,
     SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     tile = tl.program_id(0)
     hk = tl.program_id(1)
@@ -105,8 +117,8 @@ def paged_lora_attention(
     if HAS_K_LR:
         rank_k = tl.load(rank_k_ptr + row)
         col_k = tl.load(row_col_k_ptr + row)
-        bk = tl.load(bk_ptr + b_offs, mask=d_valid[None, :], other=0.0)
-        bkrot = tl.load(bkrot_ptr + b_offs, mask=d_valid[None, :], other=0.0)
+        bk = tl.load(bk_ptr + b_offs, mask=d_valid[None, :], other=0.0).to(lr_ptr.dtype.element_ty)
+        bkrot = tl.load(bkrot_ptr + b_offs, mask=d_valid[None, :], other=0.0).to(lr_ptr.dtype.element_ty)
     if HAS_V_LR:
         rank_v = tl.load(rank_v_ptr + row)
         col_v = tl.load(row_col_v_ptr + row)
@@ -136,9 +148,9 @@ def paged_lora_attention(
             rope_offs = k_pos.to(tl.int64)[:, None] * stride_cos + offs_d[None, :]
             cos = tl.load(cos_ptr + rope_offs, mask=kd_mask, other=0.0).to(tl.float32)
             sin = tl.load(sin_ptr + rope_offs, mask=kd_mask, other=0.0).to(tl.float32)
-            delta = tl.dot(lk, bk).to(tl.float32) * cos + tl.dot(lk, bkrot).to(tl.float32) * sin
+            delta = _mma(lk, bk, UPCAST) * cos + _mma(lk, bkrot, UPCAST) * sin
             k = (k.to(tl.float32) + delta).to(k.dtype)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        s = _mma(q, tl.trans(k), UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         visible = n_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -147,13 +159,13 @@ def paged_lora_attention(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + kv_offs, mask=kd_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, UPCAST)
         if HAS_V_LR:
             lv_mask = has_lr[:, None] & (offs_r < rank_v)[None, :]
             lv = tl.load(
                 lr_ptr + slot[:, None] * stride_lrp + col_v + offs_r[None, :], mask=lv_mask, other=0.0
             )
-            acc_lr = acc_lr * alpha[:, None] + tl.dot(p.to(lv.dtype), lv)
+            acc_lr = acc_lr * alpha[:, None] + _mma(p.to(lv.dtype), lv, UPCAST)
         m_i = m_new
     if HAS_V_LR:
         bv = tl.load(bv_ptr + b_offs, mask=d_valid[None, :], other=0.0).to(tl.float32)
