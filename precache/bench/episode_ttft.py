@@ -11,10 +11,9 @@ from __future__ import annotations
 import argparse
 import gc
 
-from tqdm import tqdm
-
 from precache.bench.common import add_common_args, write_results
 from precache.engine.request import Turn
+from precache.terminal import progress
 
 
 def replay_recorded(engine, turns: list[Turn]) -> list[Turn]:
@@ -36,11 +35,13 @@ def episode_ttft(engines: dict, recorded: list[list[Turn]]) -> dict:
     """
     totals = {m: {"sum_ttft_s": 0.0, "prefill_tokens": 0} for m in engines}
     names = list(engines)
-    for i, turns in enumerate(tqdm(recorded, desc="replay", unit="episode", disable=len(recorded) < 2)):
-        for method in names[i % len(names) :] + names[: i % len(names)]:
-            for t in replay_recorded(engines[method], turns):
-                totals[method]["sum_ttft_s"] += t.ttft_s
-                totals[method]["prefill_tokens"] += t.prefill_tokens
+    with progress(len(recorded), "replay" if len(recorded) > 1 else None) as advance:
+        for i, turns in enumerate(recorded):
+            for method in names[i % len(names) :] + names[: i % len(names)]:
+                for t in replay_recorded(engines[method], turns):
+                    totals[method]["sum_ttft_s"] += t.ttft_s
+                    totals[method]["prefill_tokens"] += t.prefill_tokens
+            advance()
     return {"episodes": len(recorded), "turns": sum(map(len, recorded)), "methods": totals}
 
 
