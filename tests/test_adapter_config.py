@@ -271,3 +271,16 @@ def test_lora_bias_on_q_o_and_mlp_equals_peft(llama, tmp_path):
     adapter = load_adapter(folder, model.config)
     assert len(adapter.biases) == 5 * model.config.num_layers
     assert_every_method_matches_peft(model, hf, folder)
+
+
+def test_every_lora_config_field_of_the_installed_peft_is_decided():
+    """Each ``peft.LoraConfig`` field is honoured, inert at inference, or refused by name (a new
+    PEFT field fails here until it is decided)."""
+    import dataclasses
+
+    from precache.lora import peft_config
+
+    fields = {f.name for f in dataclasses.fields(LoraConfig)}
+    decided = peft_config.HONOURED | peft_config.INERT | peft_config.REFUSED.keys()
+    assert fields - decided == set()
+    assert not peft_config.HONOURED & peft_config.INERT and not peft_config.INERT & peft_config.REFUSED.keys()

@@ -26,14 +26,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from precache.errors import AdapterError
-from precache.lora.peft_config import (
-    PROJECTIONS,
-    LoraOptions,
-    parse_options,
-    projection_module,
-    read_config,
-    targeted_projections,
-)
+from precache.lora.peft_config import parse_options, read_config, targeted_projections
+from precache.lora.targets import PROJECTIONS, LoraOptions, projection_module
 from precache.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)

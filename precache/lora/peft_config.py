@@ -40,16 +40,13 @@ Refused by name: ``init_lora_weights`` = ``pissa*`` / ``olora`` / ``corda`` / ``
 from __future__ import annotations
 
 import json
-import math
 import re
-from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 from precache.errors import AdapterError
+from precache.lora.targets import PROJECTIONS, LoraOptions, module_names, projection_module
 from precache.models.config import ModelConfig
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: PEFT's default ``target_modules`` for llama, mistral, qwen2 and qwen3
 #: (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``)
 DEFAULT_TARGETS = ("q_proj", "v_proj")
@@ -57,7 +54,7 @@ SUPPORTED = "plain LoRA (lora_A / lora_B) on " + ", ".join(PROJECTIONS)
 
 #: options that change the forward and that we do not implement: the values that mean "off"
 #: (PEFT turns a variant on by truthiness, and a ``*_config`` dict, even ``{}``, builds a config)
-_REFUSED: dict[str, tuple] = {
+REFUSED: dict[str, tuple] = {
     "use_dora": (False,),
     "modules_to_save": ([],),
     "trainable_token_indices": ([], {}),
@@ -73,7 +70,7 @@ _REFUSED: dict[str, tuple] = {
     "arrow_config": (),
 }
 #: fields that do not change the loaded adapter's forward (see the module docstring)
-_INERT = frozenset(
+INERT = frozenset(
     {
         "task_type",
         "peft_type",
@@ -95,7 +92,7 @@ _INERT = frozenset(
         "init_lora_weights",
     }
 )
-_HONOURED = frozenset(
+HONOURED = frozenset(
     {
         "r",
         "lora_alpha",
@@ -112,106 +109,6 @@ _HONOURED = frozenset(
 )
 _PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal", "mica", "lora_ga")
 _BIAS_VALUES = ("none", "all", "lora_only")
-
-
-def module_names(config: ModelConfig) -> list[str]:
-    """Every module name of the HF ``*ForCausalLM`` model (``model.named_modules()``), the names
-    PEFT matches ``target_modules`` and the patterns against."""
-    names = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"]
-    for i in range(config.num_layers):
-        layer = f"model.layers.{i}"
-        names += [layer, f"{layer}.self_attn", f"{layer}.mlp", f"{layer}.mlp.act_fn"]
-        names += [f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm"]
-        if config.qk_norm:
-            names += [f"{layer}.self_attn.q_norm", f"{layer}.self_attn.k_norm"]
-        names += [projection_module(i, p) for p in PROJECTIONS]
-    return names
-
-
-def projection_module(layer: int, proj: str) -> str:
-    """HF module name of projection ``proj`` of decoder layer ``layer``."""
-    block = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-    return f"model.layers.{layer}.{block}.{proj}"
-
-
-def _matches_names(spec: str | Iterable[str], name: str) -> bool:
-    """PEFT's rule for ``target_modules`` / ``exclude_modules``: a string is a regex over the whole
-    name; a list matches a name exactly or as its ``.ITEM`` suffix."""
-    if isinstance(spec, str):
-        return re.fullmatch(spec, name) is not None
-    return name in spec or any(name.endswith(f".{item}") for item in spec)
-
-
-def _layer_index(name: str, layers_pattern: list[str] | None) -> int | None:
-    """The first numbered segment of ``name`` (after ``PATTERN.`` when ``layers_pattern`` is set)."""
-    if not layers_pattern:
-        found = re.match(r".*?\.[^.]*\.(\d+)\.", name)
-    else:
-        found = None
-        for pattern in layers_pattern:
-            found = re.match(rf"(?:^|.*?\.){pattern}\.(\d+)\.", name)
-            if found:
-                break
-    return int(found.group(1)) if found else None
-
-
-@dataclass(frozen=True)
-class LoraOptions:
-    """The options of one ``adapter_config.json`` that decide which modules get LoRA and with what
-    rank and scaling (null fields already read as PEFT's defaults)."""
-
-    r: int
-    lora_alpha: float
-    use_rslora: bool
-    target_modules: str | frozenset[str]
-    exclude_modules: str | frozenset[str] | None
-    layers_to_transform: tuple[int, ...] | None
-    layers_pattern: tuple[str, ...] | None
-    rank_pattern: tuple[tuple[str, int], ...]
-    alpha_pattern: tuple[tuple[str, float], ...]
-    bias: str
-    lora_bias: bool
-
-    def targets(self, name: str) -> bool:
-        """Whether PEFT puts a LoRA layer on module ``name`` (``check_target_module_exists``)."""
-        if self.exclude_modules and _matches_names(self.exclude_modules, name):
-            return False
-        if isinstance(self.target_modules, str):
-            return re.fullmatch(self.target_modules, name) is not None
-        if name in self.target_modules:
-            return True
-        found = any(name.endswith(f".{t}") for t in self.target_modules)
-        if found and self.layers_to_transform:
-            index = _layer_index(name, list(self.layers_pattern) if self.layers_pattern else None)
-            return index is not None and index in self.layers_to_transform
-        return found
-
-    def rank(self, name: str) -> int:
-        """Rank of module ``name``: ``rank_pattern``'s first matching key, else ``r``."""
-        return _pattern_value(self.rank_pattern, name, self.r)
-
-    def rank_source(self, name: str) -> str:
-        """The field that sets the rank of module ``name``: ``rank_pattern`` or ``r``."""
-        return "rank_pattern" if _pattern_value(self.rank_pattern, name, None) is not None else "r"
-
-    def alpha(self, name: str) -> float:
-        return _pattern_value(self.alpha_pattern, name, self.lora_alpha)
-
-    def scaling(self, name: str | None = None) -> float:
-        """``alpha / r`` of module ``name``, or from ``r`` and ``lora_alpha`` when ``name`` is None
-        (``alpha / sqrt(r)`` with rsLoRA; Kalajdzievski 2023)."""
-        r = self.r if name is None else self.rank(name)
-        alpha = self.lora_alpha if name is None else self.alpha(name)
-        return alpha / (math.sqrt(r) if self.use_rslora else r)
-
-
-def _pattern_value(pattern: tuple[tuple[str, float], ...], name: str, default):
-    """PEFT's ``get_pattern_key``: the first key (in file order) whose regex matches the end of
-    ``name`` at a ``.`` boundary."""
-    for key, value in pattern:
-        if re.match(rf"(.*\.)?({key})$", name):
-            return value
-    return default
 
 
 def read_config(folder: Path) -> dict:
@@ -240,7 +137,7 @@ def _check_fields(cfg: dict, cfg_file: Path) -> None:
     peft_type = cfg.get("peft_type") or "LORA"
     if str(peft_type).upper() != "LORA":
         raise AdapterError(f"{cfg_file}: field 'peft_type' is {peft_type!r}; only LORA is supported")
-    for key, off in _REFUSED.items():
+    for key, off in REFUSED.items():
         value = cfg.get(key)
         if value is not None and not any(type(value) is type(o) and value == o for o in off):
             raise _refuse(cfg_file, key, value, f"precache loads {SUPPORTED}")
@@ -258,7 +155,7 @@ def _check_fields(cfg: dict, cfg_file: Path) -> None:
     if bias not in _BIAS_VALUES:
         raise _refuse(cfg_file, "bias", bias, f"PEFT's values are {', '.join(_BIAS_VALUES)}")
     for key, value in cfg.items():
-        known = key in _REFUSED or key in _INERT or key in _HONOURED
+        known = key in REFUSED or key in INERT or key in HONOURED
         if not known and value not in (None, False, [], {}, ""):
             raise _refuse(cfg_file, key, value, "a LoraConfig option precache does not know (peft 0.21)")
 
