@@ -173,3 +173,10 @@ def test_longrope_context_stops_at_the_original_length():
     assert model_from_hf(hf).max_context == 64
     with pytest.raises(ModelLoadError, match="rope_type"):
         model_from_hf(hf, max_context=65)
+
+
+def test_gguf_converted_folder_is_not_taken_for_quantized_weights():
+    """transformers writes quant_method 'gguf' into a folder saved from a GGUF-loaded model (our
+    conversions, the embedded model's included); its safetensors hold de-quantised floats."""
+    cfg = _llama(quantization_config={"quant_method": "gguf", "gguf_file": "m.gguf", "dequantize": False})
+    assert ModelConfig.from_hf(cfg).num_layers == 2

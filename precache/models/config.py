@@ -15,7 +15,8 @@ refuse it"; README, "Supported models"):
   ``use_cache``, ``pad_token_id``, ``pretraining_tp`` (unused by transformers 5's Llama), the
   token ids (read by the engine's stop rule);
 - refused with :class:`ModelLoadError`: another ``model_type``, an activation with learnable
-  parameters or unknown to transformers, ``quantization_config`` (quantized weights),
+  parameters or unknown to transformers, ``quantization_config`` (quantized weights; a folder
+  converted from GGUF, ``quant_method: gguf``, holds de-quantised floats and is accepted),
   ``partial_rotary_factor`` below 1, per-layer-type ``rope_parameters``, layer types other than
   full / sliding attention, a sliding layer without a window, a window below 1.
 """
@@ -126,9 +127,16 @@ class ModelConfig:
 
 
 def _check_quantization(hf_config) -> None:
+    """Refuse quantized weights. ``quant_method: gguf`` is what transformers writes into a folder
+    saved from a GGUF-loaded model (our conversions): its safetensors hold de-quantised floats."""
     quant = getattr(hf_config, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else type(quant).__name__
+    if not quant:
+        return
+    method = (
+        quant.get("quant_method", "?") if isinstance(quant, dict) else getattr(quant, "quant_method", "?")
+    )
+    method = getattr(method, "value", method)  # a QuantizationMethod enum on config objects
+    if method != "gguf":
         raise ModelLoadError(
             f"quantization_config (quant_method '{method}') is not supported: precache runs "
             "unquantized fp32/bf16/fp16 safetensors checkpoints and GGUF files (de-quantised once)"
