@@ -1,0 +1,262 @@
+"""Scale-out on Ray Serve (precache/cluster): the placement rule against hand-built holdings, then a
+live local Ray instance on loopback with 2 replicas of the tiny model: a 3-agent conversation stays
+on one replica, concurrent conversations spread, prompt-cache hits and greedy tokens equal a
+single-process server's on the same workload, and a replica killed mid-load loses only what it was
+streaming."""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from precache.cluster.routing import AffinityTable, block_hashes
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.serve")
+
+from precache.cluster.replica import REPLICA_HEADER, trajectory_holdings  # noqa: E402
+from tests.test_server_support import BASE, live, tiny_engine, tiny_with_tokenizer  # noqa: E402
+
+BLOCK = 4  # routing block (tokens): the tiny model's prompts are short
+AGENTS = ("plan", "action", "reflect")
+
+
+# -- the placement rule, without Ray ------------------------------------------------------------
+def test_block_hashes_name_prefixes():
+    a, b = list(range(10, 30)), list(range(10, 22)) + [99] * 8
+    ha, hb = block_hashes(a, BLOCK), block_hashes(b, BLOCK)
+    assert len(ha) == 5 and len(block_hashes(a[:7], BLOCK)) == 1
+    assert ha[:3] == hb[:3] and all(x != y for x, y in zip(ha[3:], hb[3:], strict=True))
+    assert block_hashes(a, BLOCK) == ha  # equal in every call (and process: no salted hash)
+    with pytest.raises(ValueError, match="block_size"):
+        block_hashes(a, 0)
+
+
+def _table(now=None):
+    clock = now or (lambda: 0.0)
+    return AffinityTable(ttl_s=10.0, clock=clock, seed=0)
+
+
+def test_a_turn_goes_to_the_replica_holding_its_trajectory_whatever_its_load():
+    table = _table()
+    turn1 = list(range(40))
+    table.record("r1", block_hashes(turn1, BLOCK))
+    turn2 = turn1 + [77, 78, 79, 80, 81, 82, 83, 84]
+    placement = table.place(block_hashes(turn2, BLOCK), {"r1": 5, "r2": 0}, new_limit=4)
+    # r1 is over the new-trajectory limit, yet it keeps the turns of what it holds; r2 is the
+    # second rank, which Ray takes only when r1 is full (its max_ongoing_requests)
+    assert placement.held and placement.ranks == [["r1"], ["r2"]] and placement.matched_blocks == 10
+    placement = table.place(block_hashes(turn2, BLOCK), {"r1": 5, "r2": 4}, new_limit=4)
+    assert placement.ranks == [["r1"]]  # r2 takes no new trajectories, spilled turns included
+
+
+def test_a_shared_system_prompt_alone_is_a_new_trajectory():
+    table = _table()
+    system = list(range(16))
+    table.record("r1", block_hashes(system + [50] * 20, BLOCK))
+    other = system + [60] * 20  # same 4 blocks, then its own: it passes through no anchor of r1
+    placement = table.place(block_hashes(other, BLOCK), {"r1": 1, "r2": 0}, new_limit=4)
+    assert not placement.held and placement.ranks == [["r2", "r1"]]
+    # equal loads: the replica sharing the longer prefix comes first
+    assert table.place(block_hashes(other, BLOCK), {"r1": 0, "r2": 0}, 4).ranks == [["r1", "r2"]]
+
+
+def test_overloaded_replicas_shed_new_trajectories_first():
+    table = _table()
+    new = block_hashes(list(range(50, 70)), BLOCK)
+    assert table.place(new, {"r1": 4, "r2": 2}, new_limit=4).ranks == [["r2"]]
+    assert table.place(new, {"r1": 4, "r2": 4}, new_limit=4).ranks == []  # it waits in the router
+
+
+def test_reports_replace_holdings_sends_expire_and_dead_replicas_are_forgotten():
+    now = [0.0]
+    table = _table(lambda: now[0])
+    prompt = list(range(24))
+    hashes = block_hashes(prompt, BLOCK)
+    table.record("r1", hashes)
+    assert table.match("r1", hashes) == (6, True)
+    now[0] = 11.0  # past ttl_s with no report confirming it
+    assert table.match("r1", hashes) == (0, False)
+    table.report("r2", hashes, [hashes[-1]])
+    assert table.place(hashes + [1], {"r1": 0, "r2": 3}, 4).ranks[0] == ["r2"]
+    table.forget("r2")
+    assert not table.place(hashes, {"r1": 0}, 4).held
+
+
+def test_trajectory_holdings_report_every_block_and_each_prompt_end():
+    trajectory = list(range(30))  # prompt of 22 tokens + 8 generated
+    stats = trajectory_holdings([(trajectory, 22), (list(range(100, 103)), 3)], BLOCK)
+    hashes = block_hashes(trajectory, BLOCK)
+    assert stats["blocks"] == sorted(hashes) and stats["anchors"] == [hashes[22 // BLOCK - 1]]
+    assert stats["sessions"] == 2
+
+
+# -- a live cluster: 2 replicas on a local Ray instance -----------------------------------------
+@pytest.fixture(scope="module")
+def cluster(tiny):
+    import precache
+    from precache.cluster.app import ClusterConfig, ClusterServer, build_app
+    from precache.server import ServerConfig
+
+    model, dirs, _ = tiny
+    served = tiny_with_tokenizer(model)
+    factory = functools.partial(precache.Engine, served, adapters=dirs, method="prelrshared")
+    config = ClusterConfig(
+        replicas=2,
+        routing_block=BLOCK,
+        max_ongoing_requests=8,
+        stats_period_s=0.5,
+        num_cpus_per_replica=0,
+    )
+    app = build_app(
+        factory, served.tokenizer, served.config.vocab_size, ServerConfig(model_name=BASE), config
+    )
+    with (
+        ClusterServer(app, port=0, num_cpus=2) as server,
+        httpx.Client(base_url=server.url, timeout=60) as client,
+    ):
+        yield server, client
+
+
+@pytest.fixture(scope="module")
+def single(tiny):
+    """The single-process server over the same model and adapters: the reference."""
+    with (
+        live(tiny_engine(tiny, "prelrshared")) as (server, _),
+        httpx.Client(base_url=server.url, timeout=60) as client,
+    ):
+        yield client
+
+
+def _prompt(k: int) -> list[int]:
+    """Trajectory k's first prompt: its own first token, so no two share a block."""
+    return [3 + k] + [(7 * k + 5 * i) % 90 + 3 for i in range(35)]
+
+
+def _complete(client, agent, ids, max_tokens=4) -> tuple[str, dict]:
+    r = client.post(
+        "/completions",
+        json={
+            "model": agent,
+            "prompt": ids,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
+    assert r.status_code == 200, r.text
+    return r.headers.get(REPLICA_HEADER), r.json()  # the single server names no replica
+
+
+def _conversation(client, k: int, turns: int = 3) -> list[tuple[str, list[int], int]]:
+    """Agents take turns on one growing trajectory; each turn appends a tool observation.
+    Returns ``(replica, generated ids, cached prompt tokens)`` per turn."""
+    ids, out = _prompt(k), []
+    for turn in range(turns):
+        replica, body = _complete(client, AGENTS[turn % 3], ids)
+        generated = body["choices"][0]["token_ids"]
+        out.append((replica, generated, body["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        ids = ids + generated + [(k + turn + i) % 90 + 3 for i in range(6)]
+    return out
+
+
+def test_a_three_agent_conversation_stays_on_one_replica(cluster):
+    _, client = cluster
+    turns = _conversation(client, 0, turns=4)
+    assert len({replica for replica, _, _ in turns}) == 1
+    assert turns[0][2] == 0 and all(cached > 0 for _, _, cached in turns[1:])
+
+
+def test_concurrent_conversations_spread_and_hit_the_cache_as_one_server_does(cluster, single):
+    _, client = cluster
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda k: _conversation(client, 10 + k), range(8)))
+        want = list(pool.map(lambda k: _conversation(single, 10 + k), range(8)))
+    assert all(len({replica for replica, _, _ in turns}) == 1 for turns in got)
+    assert len({turns[0][0] for turns in got}) == 2
+    assert sum(cached for turns in got for _, _, cached in turns) > 0
+    assert [[(ids, cached) for _, ids, cached in turns] for turns in got] == [
+        [(ids, cached) for _, ids, cached in turns] for turns in want
+    ]
+
+
+def _events(client, body: dict) -> tuple[int, list]:
+    """Status and the SSE events of a streamed request, without their ids and times."""
+    with client.stream("POST", "/completions", json=body) as r:
+        lines = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    events = [line if line == "[DONE]" else json.loads(line) for line in lines]
+    for event in events:
+        if isinstance(event, dict):
+            for key in ("id", "created", "session_id"):  # random per response
+                event.pop(key, None)
+    return r.status_code, events
+
+
+def test_the_api_answers_errors_and_streams_as_the_single_server_does(cluster, single):
+    _, client = cluster
+    bad = [
+        {"model": "nope", "prompt": [5, 6]},
+        {"model": "plan", "prompt": [5, 6], "max_tokens": 0},
+        {"model": "plan", "prompt": [500]},
+        {"model": "plan", "prompt": []},
+    ]
+    for body in bad:
+        got, want = client.post("/completions", json=body), single.post("/completions", json=body)
+        assert (got.status_code, got.json()) == (want.status_code, want.json())
+        assert got.status_code >= 400
+    ids = [[m["id"] for m in c.get("/models").json()["data"]] for c in (client, single)]
+    assert ids[0] == ids[1] == [BASE, *AGENTS]
+    body = {"model": "plan", "prompt": _prompt(40), "max_tokens": 5, "temperature": 0, "stream": True}
+    body |= {"ignore_eos": True, "stream_options": {"include_usage": True}}
+    got, want = _events(client, body), _events(single, body)
+    assert got == want and got[0] == 200 and got[1][-1] == "[DONE]"
+
+
+def _stream(client, agent, ids, started: threading.Event, max_tokens: int) -> tuple[str, list[str]]:
+    body = {"model": agent, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    with client.stream("POST", "/completions", json={**body, "ignore_eos": True}) as r:
+        events = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+                started.set()
+        return r.headers[REPLICA_HEADER], events
+
+
+def test_a_killed_replica_loses_its_streams_only_and_its_trajectories_move(cluster):
+    _, client = cluster
+    prompts, placed = {}, {}
+    for k in range(50, 62):  # first turns until one replica holds two trajectories
+        replica, body = _complete(client, "plan", _prompt(k))
+        prompts[k] = _prompt(k) + body["choices"][0]["token_ids"] + [9, 9, 9, 9]
+        placed.setdefault(replica, []).append(k)
+        if len(placed) == 2 and max(len(v) for v in placed.values()) >= 2:
+            break
+    victim = max(placed, key=lambda r: len(placed[r]))
+    streamed, unanswered = placed[victim][:2]
+    long = 256 - len(prompts[streamed]) - 8  # a long answer: still running when the replica dies
+    started = threading.Event()
+    with ThreadPoolExecutor(2) as pool:
+        quiet = pool.submit(_complete, client, "action", prompts[unanswered], long)
+        stream = pool.submit(_stream, client, "reflect", prompts[streamed], started, long)
+        assert started.wait(60)
+        name = f"SERVE_REPLICA::precache#PrecacheReplica#{victim}"
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        replica, events = stream.result(timeout=60)
+        retried, body = quiet.result(timeout=60)
+    # the stream had started on the victim: it ends with a readable error, then [DONE]
+    assert replica == victim and events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "replica_lost"
+    # the request that had received nothing is served again elsewhere, whole
+    assert retried != victim and len(body["choices"][0]["token_ids"]) == long
+    # next turns: the streamed trajectory's caches are lost; the retried one stays where it went
+    replica, body = _complete(client, "plan", prompts[streamed] + [11, 12, 13])
+    assert replica != victim and body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    replica, body = _complete(client, "plan", prompts[unanswered] + [11, 12, 13])
+    assert replica == retried and body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
