@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
+from precache.cli import main
+from precache.cluster.replica import REPLICA_HEADER, trajectory_holdings
 from precache.cluster.routing import AffinityTable, block_hashes
-
-ray = pytest.importorskip("ray")
-pytest.importorskip("ray.serve")
-
-from precache.cluster.replica import REPLICA_HEADER, trajectory_holdings  # noqa: E402
-from tests.test_server_support import BASE, live, tiny_engine, tiny_with_tokenizer  # noqa: E402
+from tests.test_server_support import BASE, live, tiny_engine, tiny_with_tokenizer
 
 BLOCK = 4  # routing block (tokens): the tiny model's prompts are short
 AGENTS = ("plan", "action", "reflect")
@@ -96,9 +94,27 @@ def test_trajectory_holdings_report_every_block_and_each_prompt_end():
     assert stats["sessions"] == 2
 
 
+def test_serve_without_ray_says_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray now raises ImportError
+    monkeypatch.setitem(sys.modules, "ray.serve", None)
+    assert main(["serve", "--replicas", "2"]) == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == 'MissingExtraError: scale-out needs Ray Serve: pip install "precache[cluster]"'
+    )
+
+
+def test_serve_refuses_replica_flags_without_replicas(capsys):
+    assert main(["serve", "--num-gpus-per-replica", "1"]) == 2
+    assert "--num-gpus-per-replica needs --replicas N or --ray-address ADDR" in capsys.readouterr().err
+    assert main(["serve", "--replicas", "0"]) == 2
+    assert "--replicas must be at least 1, got 0" in capsys.readouterr().err
+
+
 # -- a live cluster: 2 replicas on a local Ray instance -----------------------------------------
 @pytest.fixture(scope="module")
 def cluster(tiny):
+    pytest.importorskip("ray.serve")
     import precache
     from precache.cluster.app import ClusterConfig, ClusterServer, build_app
     from precache.server import ServerConfig
@@ -246,6 +262,8 @@ def test_a_killed_replica_loses_its_streams_only_and_its_trajectories_move(clust
         quiet = pool.submit(_complete, client, "action", prompts[unanswered], long)
         stream = pool.submit(_stream, client, "reflect", prompts[streamed], started, long)
         assert started.wait(60)
+        import ray
+
         name = f"SERVE_REPLICA::precache#PrecacheReplica#{victim}"
         ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
         replica, events = stream.result(timeout=60)

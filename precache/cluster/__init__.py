@@ -20,6 +20,10 @@ class MissingExtraError(PrecacheError, ImportError):
     """An optional extra that a command needs is not installed."""
 
 
+class ClusterArgumentError(PrecacheError, ValueError):
+    """Scale-out flags that do not go together."""
+
+
 def require_ray() -> None:
     """Check that ``ray[serve]`` is importable.
 
@@ -30,3 +34,23 @@ def require_ray() -> None:
         import ray.serve  # noqa: F401
     except ImportError as exc:
         raise MissingExtraError(RAY_MISSING) from exc
+
+
+def cluster_requested(args) -> bool:
+    """Whether ``precache serve`` was asked to scale out (``--replicas`` or ``--ray-address``).
+
+    Raises:
+        MissingExtraError: it was, and ``ray[serve]`` is not installed.
+        ClusterArgumentError: ``--replicas`` < 1, or a per-replica flag without either.
+    """
+    wanted = args.replicas is not None or args.ray_address is not None
+    if args.replicas is not None and args.replicas < 1:
+        raise ClusterArgumentError(f"--replicas must be at least 1, got {args.replicas}")
+    if not wanted:
+        for flag in ("num_cpus_per_replica", "num_gpus_per_replica"):
+            if getattr(args, flag) is not None:
+                name = "--" + flag.replace("_", "-")
+                raise ClusterArgumentError(f"{name} needs --replicas N or --ray-address ADDR")
+        return False
+    require_ray()
+    return True

@@ -226,12 +226,12 @@ def serve_from_args(args) -> int:
     )
     vocab = AutoConfig.from_pretrained(folder).vocab_size
     adapters = {name: str(Path(p).resolve()) for name, p in adapters_from_args(args).items()}
-    gpus = args.num_gpus_per_replica
+    gpus = args.num_gpus_per_replica or 0.0
     device = args.device or ("cuda" if gpus > 0 else None)
     spec = EngineSpec(str(folder), adapters, args.method, args.kv_cache_bytes, args.dtype, device)
     cluster = ClusterConfig(
         replicas=args.replicas or 1,
-        num_cpus_per_replica=args.num_cpus_per_replica,
+        num_cpus_per_replica=1.0 if args.num_cpus_per_replica is None else args.num_cpus_per_replica,
         num_gpus_per_replica=gpus,
         max_ongoing_requests=args.max_num_seqs,
     )

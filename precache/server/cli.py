@@ -107,6 +107,12 @@ def served_model_name(args: argparse.Namespace, model) -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from precache.cluster import cluster_requested
+
+    if cluster_requested(args):  # --replicas / --ray-address: replicas on Ray Serve
+        from precache.cluster.app import serve_from_args
+
+        return serve_from_args(args)
     import uvicorn
 
     import precache
@@ -165,4 +171,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests batched at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill tokens per forward")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="N engine replicas on Ray Serve (pip install precache[cluster])",
+    )
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster (auto, HOST:6379) instead")
+    p.add_argument(
+        "--num-cpus-per-replica", type=float, default=None, help="Ray CPUs per replica (default 1)"
+    )
+    p.add_argument(
+        "--num-gpus-per-replica", type=float, default=None, help="Ray GPUs per replica (default 0)"
+    )
     p.set_defaults(func=_serve)
