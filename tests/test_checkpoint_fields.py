@@ -60,6 +60,10 @@ HONOURED = {
             "original_max_position_embeddings": 64,
         },
     ),
+    "rope proportional, partial": lambda: LlamaConfig(
+        **_COMMON,
+        rope_parameters={"rope_type": "proportional", "rope_theta": 100.0, "partial_rotary_factor": 0.5},
+    ),
     "rope longrope": lambda: LlamaConfig(
         **_COMMON,
         rope_parameters={
@@ -114,7 +118,7 @@ REFUSED = {
         lambda: _llama(
             rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
         ),
-        "partial_rotary_factor=0.5",
+        "partial_rotary_factor=0.5 is not supported with rope_type 'default'",
     ),
     "rope_type unknown": (
         lambda: _llama(rope_parameters={"rope_type": "su", "rope_theta": 1e4}),

@@ -17,7 +17,7 @@ refuse it"; README, "Supported models"):
 - refused with :class:`ModelLoadError`: another ``model_type``, an activation with learnable
   parameters or unknown to transformers, ``quantization_config`` (quantized weights; a folder
   converted from GGUF, ``quant_method: gguf``, holds de-quantised floats and is accepted),
-  ``partial_rotary_factor`` below 1, per-layer-type ``rope_parameters``, layer types other than
+  ``partial_rotary_factor`` below 1 (but with ``proportional`` RoPE), per-layer-type ``rope_parameters``, layer types other than
   full / sliding attention, a sliding layer without a window, a window below 1.
 """
 

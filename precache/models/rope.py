@@ -29,7 +29,8 @@ def check_rope(hf_config) -> None:
 
     Raises:
         ModelLoadError: ``rope_parameters`` per layer type, an unknown ``rope_type``, or
-            ``partial_rotary_factor`` below 1 (rotating part of each head).
+            ``partial_rotary_factor`` below 1 (rotating part of each head) with a type other than
+            ``proportional``.
     """
     params = _params(hf_config)
     if params and "rope_type" not in params and any(isinstance(v, dict) for v in params.values()):
@@ -44,9 +45,12 @@ def check_rope(hf_config) -> None:
             f"(supported: default, {', '.join(ROPE_INIT_FUNCTIONS)})"
         )
     factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
-    if factor is not None and float(factor) != 1.0:
+    # 'proportional' keeps one frequency per head pair (zero past the rotated part), which rotates
+    # part of each head exactly; the other types would hand HF's rotate-half a shorter table
+    if factor is not None and float(factor) != 1.0 and rope_type != "proportional":
         raise ModelLoadError(
-            f"partial_rotary_factor={factor} is not supported (supported: 1.0, RoPE over the whole head)"
+            f"partial_rotary_factor={factor} is not supported with rope_type '{rope_type}' "
+            "(supported: 1.0, or any factor with rope_type 'proportional')"
         )
 
 
