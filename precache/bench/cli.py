@@ -37,7 +37,7 @@ def _bench_trace(args: argparse.Namespace) -> int:
     methods = methods_with_reference(args.methods)
     trace = load_trace(trace_path(args.trace))
     adapters = adapter_set(args.adapters, trace.agents)
-    model = precache.load_model(args.model, max_context=args.max_context)
+    model = precache.load_model(args.model, max_context=args.max_context, device=args.device)
     check_fits(trace, model.max_context)
     stream = token_stream(trace, model.config.vocab_size, special_ids(model), args.seed)
     runners = {}
@@ -46,7 +46,8 @@ def _bench_trace(args: argparse.Namespace) -> int:
         engine = precache.Engine(model, adapters=adapters, method=method, prefix_caching=False)
         runners[method] = lambda tr, st, engine=engine: replay_engine(engine, tr, st)
     if not args.no_hf_peft:
-        runners[METHOD_NAME] = HFPeftAgents(hf_model_of(model), adapters).replay
+        hf_model = hf_model_of(model).to(device=model.device, dtype=model.dtype)  # the engine's device
+        runners[METHOD_NAME] = HFPeftAgents(hf_model, adapters).replay
     result = run_suite(runners, trace, stream, repeats=args.repeats)
     result["config"] = {k: v for k, v in vars(args).items() if k != "func"}
     report.write_json(result, args.json)
@@ -126,6 +127,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="tokens of RoPE tables past the model's own length (paper_L4096 needs 17,296 on SmolLM2's 8,192)",
     )
+    trace.add_argument("--device", default=None, help="torch device, e.g. cuda (bf16 there; default: CPU)")
     add_common_args(trace, ",".join(METHODS))
     trace.set_defaults(func=_bench_trace)
 

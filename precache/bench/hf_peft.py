@@ -63,7 +63,8 @@ class HFPeftAgents:
     @torch.inference_mode()
     def _step(self, ids: list[int], cache) -> torch.Tensor:
         """Forward ``ids`` after what ``cache`` holds; return the last position's logits ``[vocab]``."""
-        out = self.model(torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
+        ids_t = torch.tensor([ids], device=self.model.device)
+        out = self.model(ids_t, cache=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float()
 
     def turn(

@@ -86,8 +86,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=DIR",
         help="adapters by agent name",
     )
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--device", default=None, help="torch device (default: CPU)")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="default: bfloat16 on CUDA, else float32",
+    )
+    parser.add_argument("--device", default=None, help="torch device, e.g. cuda (default: CPU)")
 
 
 def load_model_from_args(args: argparse.Namespace):
@@ -96,7 +101,8 @@ def load_model_from_args(args: argparse.Namespace):
 
     import precache
 
-    return precache.load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    return precache.load_model(args.model, dtype=dtype, device=args.device)
 
 
 def served_model_name(args: argparse.Namespace, model) -> str:
