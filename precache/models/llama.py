@@ -8,6 +8,8 @@ which cache entries to write from which hidden states and which view each row at
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
@@ -16,6 +18,8 @@ from precache.errors import ContextLengthError, ModelLoadError
 from precache.models.config import ModelConfig
 from precache.models.contract import AttentionBackend, LayerInput, Row
 from precache.models.rope import RotaryEmbedding, static_position_limit
+
+logger = logging.getLogger(__name__)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -43,14 +47,17 @@ def _max_context(hf_config, config: ModelConfig, max_context: int | None) -> int
     limit = static_position_limit(hf_config)
     if limit is None:
         return max_context or config.max_position_embeddings
+    rope_type = hf_config.rope_parameters["rope_type"]
     if max_context is not None and max_context > limit:
-        rope_type = hf_config.rope_parameters["rope_type"]
         raise ModelLoadError(
             f"max_context={max_context} is past {limit}, where '{rope_type}' RoPE recomputes its "
             f"frequencies from the sequence length (rope_parameters.rope_type): keys in a KV cache "
             f"cannot follow; use max_context <= {limit}"
         )
-    return min(max_context or config.max_position_embeddings, limit)
+    context = min(max_context or config.max_position_embeddings, limit)
+    if context < (max_context or config.max_position_embeddings):
+        logger.info("context capped at %d tokens: '%s' RoPE is static only up to there", context, rope_type)
+    return context
 
 
 class LlamaModel:
