@@ -31,8 +31,9 @@ def _adapter(name, model, rank, targets, g):
     return LoRAAdapter(name, rank, 2.0 * rank, 2.0, frozenset(targets), w)
 
 
-def _reference(model, q, q_start, views, layer):
-    """Materialise every view's K and V position by position, then a plain masked softmax."""
+def _reference(model, q, q_start, views, layer, window=None):
+    """Materialise every view's K and V position by position, then a plain masked softmax (with a
+    sliding ``window``: key ``p`` visible to query ``t`` when ``t - window < p <= t``)."""
     keys, values, pos = [], [], []
     for view in views:
         k, v = view.store.kv(layer, view.start, view.end)
@@ -53,13 +54,19 @@ def _reference(model, q, q_start, views, layer):
     G = Hq // k.shape[1]
     k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
     scores = torch.einsum("thd,nhd->htn", q, k) / math.sqrt(D)
-    mask = pos[None, :] <= (q_start + torch.arange(T))[:, None]
+    q_pos = (q_start + torch.arange(T))[:, None]
+    mask = pos[None, :] <= q_pos
+    if window is not None:
+        mask &= pos[None, :] > q_pos - window
     probs = torch.softmax(scores.masked_fill(~mask, -torch.inf), -1)
     return torch.einsum("htn,nhd->thd", probs, v).reshape(T, -1)
 
 
+@pytest.mark.parametrize("windowed", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_torch_backend_equals_materialised_attention_on_random_rows(seed):
+def test_torch_backend_equals_materialised_attention_on_random_rows(seed, windowed):
+    """With ``windowed``, layer 1 slides over a random window (layer 0 attends fully), as a Qwen2
+    checkpoint with ``max_window_layers = 1``: reads wholly outside the window are skipped."""
     model, _ = tiny_model(num_layers=2)
     c = model.config
     g = torch.Generator().manual_seed(seed)
@@ -74,6 +81,7 @@ def test_torch_backend_equals_materialised_attention_on_random_rows(seed):
     pool.k.normal_(generator=g)
     pool.v.normal_(generator=g)
     pool.lr.normal_(generator=g)
+    windows = (None, rnd.randint(1, 12)) if windowed else None
     rows, reference_rows, start = [], [], 0
     for _ in range(rnd.randint(1, 5)):
         n = rnd.randint(2, 40)
@@ -90,7 +98,7 @@ def test_torch_backend_equals_materialised_attention_on_random_rows(seed):
         views = [View(store, 0, cut, lr, ad), View(store, cut, n, lr if rnd.random() < 0.5 else None, ad)]
         views = [v for v in views if v.end > v.start]
         reads = tuple(r for v in views for r in view_reads(model, v, split_runs=T <= 4))
-        rows.append(RowAttention(slice(start, start + T), n - T, reads))
+        rows.append(RowAttention(slice(start, start + T), n - T, reads, windows))
         reference_rows.append((n - T, views))
         start += T
     q = torch.randn(start, c.num_heads, c.head_dim, generator=g)
@@ -98,7 +106,7 @@ def test_torch_backend_equals_materialised_attention_on_random_rows(seed):
     for layer in range(c.num_layers):
         out = get_backend("torch").forward(q, layer, meta, model)
         for row, (q_start, views) in zip(rows, reference_rows, strict=True):
-            want = _reference(model, q[row.q_rows], q_start, views, layer)
+            want = _reference(model, q[row.q_rows], q_start, views, layer, row.window_at(layer))
             assert torch.allclose(out[row.q_rows], want, atol=1e-4), (seed, layer, row)
 
 
