@@ -23,7 +23,8 @@ from precache.bench.trace import Trace, token_stream
 
 @dataclass(frozen=True)
 class RequestRecord:
-    """One request: times in seconds from sending it; token counts in tokens; ``error`` or None."""
+    """One request: times in seconds from sending it; token counts in tokens; ``error`` or None;
+    ``replica``: which replica served it (the cluster's ``x-precache-replica`` header), or None."""
 
     trajectory: int
     turn: int
@@ -34,6 +35,7 @@ class RequestRecord:
     cached_tokens: int
     completion_tokens: int
     error: str | None = None
+    replica: str | None = None
 
 
 class _Trajectory:
@@ -51,7 +53,7 @@ async def _one_request(client: openai.AsyncOpenAI, traj: _Trajectory) -> Request
     turn = traj.trace.turns[traj.turn]
     traj.ids += traj.appended[traj.turn]
     t0 = time.perf_counter()
-    ttft, out, usage, error = None, [], None, None
+    ttft, out, usage, error, replica = None, [], None, None, None
     try:
         stream = await client.completions.create(
             model=turn.agent,
@@ -62,6 +64,7 @@ async def _one_request(client: openai.AsyncOpenAI, traj: _Trajectory) -> Request
             stream_options={"include_usage": True},
             extra_body={"ignore_eos": True, "return_token_ids": True},
         )
+        replica = stream.response.headers.get("x-precache-replica")
         async for chunk in stream:
             ttft = ttft if ttft is not None or not chunk.choices else time.perf_counter() - t0
             if chunk.choices and getattr(chunk.choices[0], "token_ids", None):
@@ -80,6 +83,7 @@ async def _one_request(client: openai.AsyncOpenAI, traj: _Trajectory) -> Request
         usage.prompt_tokens_details.cached_tokens if usage and usage.prompt_tokens_details else 0,
         usage.completion_tokens if usage else 0,
         error,
+        replica,
     )
     traj.ids += out
     traj.turn += 1
@@ -133,9 +137,21 @@ def _percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
 
 
+def _replica_moves(records: list[RequestRecord]) -> int:
+    """Turns served by another replica than their trajectory's previous turn (0 on one server)."""
+    moves, last = 0, {}
+    for r in sorted(records, key=lambda r: (r.trajectory, r.turn)):
+        if r.error is None and r.replica is not None:
+            moves += r.trajectory in last and last[r.trajectory] != r.replica
+            last[r.trajectory] = r.replica
+    return moves
+
+
 def summarize(records: list[RequestRecord], wall_s: float) -> dict:
     """p50/p90 TTFT and latency (seconds), throughput (output tokens/s and requests/s over the
-    wall time), cached-token ratio, error count; ``requests``: every record."""
+    wall time), cached-token ratio (cached / prompt tokens), ``prefill_tokens`` (prompt tokens not
+    served from a cache, summed), ``replica_moves`` (:func:`_replica_moves`), error count;
+    ``requests``: every record."""
     ok = [r for r in records if r.error is None]
     ttft, latency = [r.ttft_s for r in ok], [r.latency_s for r in ok]
     prompt = sum(r.prompt_tokens for r in ok)
@@ -147,6 +163,8 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
         "throughput_tok_s": sum(r.completion_tokens for r in ok) / wall_s if wall_s else 0.0,
         "requests_per_s": len(ok) / wall_s if wall_s else 0.0,
         "cached_ratio": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+        "prefill_tokens": prompt - sum(r.cached_tokens for r in ok),
+        "replica_moves": _replica_moves(records),
         "errors": len(records) - len(ok),
         "wall_s": wall_s,
         "requests": [asdict(r) for r in records],

@@ -1,7 +1,8 @@
 """``precache bench serve``: the serving benchmark. For each method and request rate, start the
 server on loopback (in this process), replay N trajectories of a trace with the ``openai`` client
 (:mod:`precache.bench.loadgen`) and report p50/p90 TTFT, latency and throughput; optionally
-plot TTFT against the request rate.
+plot TTFT against the request rate. With ``--replicas N`` the server is a Ray Serve cluster and
+each ``--router`` runs the same load (:mod:`precache.bench.serve_cluster`).
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ def _table(result: dict):
         "latency p90",
         "tok/s",
         "cached",
+        "prefill tok",
         "errors",
     ):
         table.add_column(header, justify="right")
@@ -151,6 +153,7 @@ def _table(result: dict):
                 *times,
                 f"{s['throughput_tok_s']:.1f}",
                 f"{s['cached_ratio']:.0%}",
+                str(s["prefill_tokens"]),
                 str(s["errors"]),
             )
     return table
@@ -165,16 +168,54 @@ def _bench_serve(args: argparse.Namespace) -> int:
     trace = load_trace(trace_path(args.trace)) if args.trace else SMOKE_TRACE
     adapters = adapters_from_args(args) or adapter_set(args.adapters, trace.agents)
     methods = [check_method(m.strip()) for m in args.methods.split(",") if m.strip()]
+    routers = _routers(args)
     model = load_model_from_args(args)
-    result = run_serve_bench(
-        model, adapters, methods, args.qps, args.sessions, trace, served_model_name(args, model), args.seed
-    )
+    name = served_model_name(args, model)
+    if routers:
+        from precache.bench.serve_cluster import run_cluster_bench
+
+        result = run_cluster_bench(
+            model,
+            adapters,
+            methods,
+            routers,
+            args.replicas,
+            args.qps,
+            args.sessions,
+            trace,
+            name,
+            args.seed,
+            1.0 if args.num_cpus_per_replica is None else args.num_cpus_per_replica,
+        )
+    else:
+        result = run_serve_bench(model, adapters, methods, args.qps, args.sessions, trace, name, args.seed)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     console().print(_table(result))
     if args.plot:
         logger.info("wrote %s", plot_ttft_vs_qps(result, args.plot))
     return 0
+
+
+def _routers(args: argparse.Namespace) -> list[str]:
+    """The routers to compare on a cluster (``--replicas``), or ``[]`` for the single server.
+
+    Raises:
+        ClusterArgumentError: ``--router`` or ``--num-cpus-per-replica`` without ``--replicas``, or
+        an unknown router name.
+    """
+    from precache.cluster import ClusterArgumentError
+
+    if args.replicas is None:
+        for flag in ("router", "num_cpus_per_replica"):
+            if getattr(args, flag) is not None:
+                raise ClusterArgumentError(f"--{flag.replace('_', '-')} needs --replicas N")
+        return []
+    routers = [r.strip() for r in (args.router or "affinity,default").split(",") if r.strip()]
+    unknown = [r for r in routers if r not in ("affinity", "default")]
+    if unknown or not routers:
+        raise ClusterArgumentError(f"--router takes affinity and/or default, got {args.router!r}")
+    return routers
 
 
 def _rates(text: str) -> list[float]:
@@ -222,4 +263,11 @@ def add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", required=True, help="results file")
     p.add_argument("--plot", default=None, help="PNG: TTFT vs request rate")
+    p.add_argument(
+        "--replicas", type=_positive_int, default=None, help="benchmark a Ray Serve cluster of N replicas"
+    )
+    p.add_argument(
+        "--router", default=None, help="with --replicas: affinity | default | affinity,default (the default)"
+    )
+    p.add_argument("--num-cpus-per-replica", type=float, default=None, help="with --replicas (default 1)")
     p.set_defaults(func=_bench_serve)

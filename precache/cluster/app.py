@@ -172,7 +172,7 @@ class ClusterServer:
             ray.init(address=self.ray_address, **options)
             self._started_ray = self.ray_address is None
         if self.port == 0:
-            self.port = _free_port(self.host)
+            self.port = free_port(self.host)
         serve.start(http_options={"host": self.host, "port": self.port})
         serve.run(self.app, name=APP_NAME, route_prefix="/")
         return self
@@ -190,7 +190,8 @@ class ClusterServer:
         self.stop()
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` now."""
     import socket
 
     with socket.socket() as s:
