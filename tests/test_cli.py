@@ -62,6 +62,10 @@ def _one_line_error(capsys, expected: str) -> str:
         (["bench", "trace", "--trace", "paper_L9", "--json", "x.json"], "TraceError: no trace file paper_L9"),
         (["eval", "--json", "x.json", "--data", "missing.jsonl"], "DatasetError: no question file "),
         (["run", "--question", "nope"], "no HotpotQA question with id 'nope'"),
+        (
+            ["serve", "--lora-modules", "plan=/nonexistent/plan"],
+            "--lora-modules plan=/nonexistent/plan: no PEFT",
+        ),
         (["run", "--question", QID, "--answer", "x"], "--answer is the gold answer of a question text"),
     ],
 )

@@ -58,10 +58,10 @@ def lora_module(item: str) -> tuple[str, str]:
 
 
 def adapters_from_args(args: argparse.Namespace) -> dict[str, str]:
-    """``--lora-modules`` as ``{name: folder}``.
+    """``--lora-modules`` as ``{name: folder}``, checked before any model loads.
 
     Raises:
-        AdapterError: a name is given twice.
+        AdapterError: a name is given twice, or a folder holds no ``adapter_config.json``.
     """
     from precache.errors import AdapterError
 
@@ -70,6 +70,9 @@ def adapters_from_args(args: argparse.Namespace) -> dict[str, str]:
         if name in out:
             raise AdapterError(f"--lora-modules names the adapter '{name}' twice")
         out[name] = path
+    for name, path in out.items():
+        if not (Path(path).expanduser() / "adapter_config.json").is_file():
+            raise AdapterError(f"--lora-modules {name}={path}: no PEFT adapter (adapter_config.json) there")
     return out
 
 
