@@ -146,7 +146,7 @@ class TritonBackend(AttentionBackend):
         rank_k = [[0] * len(meta.rows) for _ in range(c.num_layers)]
         rank_v = [[0] * len(meta.rows) for _ in range(c.num_layers)]
         max_slots = max((row.q_rows.stop - row.q_rows.start) * group for row in meta.rows)
-        block_m = 16 if max_slots <= 16 else 64
+        block_m = 16 if max_slots <= 16 else 128 if q.is_cuda and max_slots >= 1024 else 64
         key_off = 0
         for i, row in enumerate(meta.rows):
             ad_index = col_k = col_v = 0
@@ -207,6 +207,14 @@ class TritonBackend(AttentionBackend):
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         return max(1, min(math.ceil(2 * sms / programs), max_keys // (4 * self.block_n)))
 
+    @staticmethod
+    def _compile_options(q: torch.Tensor, block_m: int) -> dict:
+        """Warps and pipeline stages on a GPU (FlashAttention-2's Triton settings for these tiles);
+        none for the interpreter."""
+        if not q.is_cuda:
+            return {}
+        return {"num_warps": 8 if block_m == 128 else 4, "num_stages": 3 if block_m >= 64 else 2}
+
     # -- per layer -------------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, layer: int, meta: BatchMetadata, model) -> torch.Tensor:
         """Attention of every row at ``layer``: ``q`` ``[N, n_heads, head_dim]`` -> ``[N, n_heads * head_dim]``."""
@@ -245,8 +253,8 @@ class TritonBackend(AttentionBackend):
             p.key_pos,
             p.key_lr,
             *p.rows,
-            p.rank_k[layer],
-            p.rank_v[layer],
+            p.rank_k,
+            p.rank_v,
             bk,
             bkrot,
             bv,
@@ -262,6 +270,7 @@ class TritonBackend(AttentionBackend):
             lr.stride(0),
             cos.stride(0),
             n,
+            layer * p.rank_k.shape[1],  # rank tables are [n_layers, n_rows]: no per-layer views
             math.log2(math.e) / math.sqrt(d),
             G=hq // c.num_kv_heads,
             HKV=c.num_kv_heads,
@@ -274,6 +283,7 @@ class TritonBackend(AttentionBackend):
             HAS_V_LR=p.has_v,
             SPLIT=p.n_splits > 1,
             UPCAST=q.device.type == "cpu",  # only the interpreter runs on CPU tensors
+            **self._compile_options(q, p.block_m),
         )
         if p.n_splits > 1:
             self._kernels.combine_splits(part_o, part_ml, out)

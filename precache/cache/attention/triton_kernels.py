@@ -37,7 +37,7 @@ def _mma(a, b, UPCAST: tl.constexpr):
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tokens", "rank_off"])
 def paged_lora_attention(
     q_ptr,
     out_ptr,
@@ -73,6 +73,7 @@ def paged_lora_attention(
     stride_lrp,
     stride_cos,
     n_tokens,
+    rank_off,
     qk_scale,
     G: tl.constexpr,
     HKV: tl.constexpr,
@@ -115,12 +116,12 @@ def paged_lora_attention(
     b_rows = ((adapter * HKV + hk) * R_PAD + offs_r).to(tl.int64) * D
     b_offs = b_rows[:, None] + offs_d[None, :]  # [R_PAD, D_PAD] of this kv head's slice of B
     if HAS_K_LR:
-        rank_k = tl.load(rank_k_ptr + row)
+        rank_k = tl.load(rank_k_ptr + rank_off + row)
         col_k = tl.load(row_col_k_ptr + row)
         bk = tl.load(bk_ptr + b_offs, mask=d_valid[None, :], other=0.0).to(lr_ptr.dtype.element_ty)
         bkrot = tl.load(bkrot_ptr + b_offs, mask=d_valid[None, :], other=0.0).to(lr_ptr.dtype.element_ty)
     if HAS_V_LR:
-        rank_v = tl.load(rank_v_ptr + row)
+        rank_v = tl.load(rank_v_ptr + rank_off + row)
         col_v = tl.load(row_col_v_ptr + row)
         acc_lr = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
 
