@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from precache.server.protocol import REFUSED
+from precache.server.fields import REFUSED
 from tests.test_server_support import char_tokenizer, live, tiny_engine
 
 PROMPT = "Once upon a time, in a castle"
