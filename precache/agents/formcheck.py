@@ -43,7 +43,8 @@ MAX_NEW_TOKENS = {"plan": 40, "action": 24, "reflect": 6}
 def greedy_continue(model, tokenizer, new_ids: list[int], max_new_tokens: int, stop: list[str], cache=None):
     """Feed ``new_ids`` on top of ``cache`` (None: empty), then decode greedily.
 
-    Stops when the text contains a stop string (kept, as the engine's ``turn.text``), at EOS
+    Stops when the text contains a stop string (kept, as the agent loop's pieces ``turn.text +
+    turn.trimmed``), at EOS
     (dropped), or after ``max_new_tokens``. Returns ``(text, cache)``; the cache then also holds
     the generated tokens but the last.
     """
