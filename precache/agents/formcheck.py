@@ -44,9 +44,8 @@ def greedy_continue(model, tokenizer, new_ids: list[int], max_new_tokens: int, s
     """Feed ``new_ids`` on top of ``cache`` (None: empty), then decode greedily.
 
     Stops when the text contains a stop string (kept, as the agent loop's pieces ``turn.text +
-    turn.trimmed``), at EOS
-    (dropped), or after ``max_new_tokens``. Returns ``(text, cache)``; the cache then also holds
-    the generated tokens but the last.
+    turn.trimmed``), at EOS (dropped), or after ``max_new_tokens``. Returns ``(text, cache)``;
+    the cache then also holds the generated tokens but the last.
     """
     inputs = torch.tensor([new_ids])  # [1, T]
     out_ids: list[int] = []
