@@ -15,7 +15,7 @@ import torch
 
 from precache.cache.attention import DECODE_MAX, AttentionBackend, BatchMetadata, KVRead, RowAttention
 from precache.cache.attention.torch_backend import TorchBackend, segment_at
-from precache.cache.pool import LRView, PagedStore
+from precache.cache.pool import KVPool, LRView, PagedStore
 from precache.lora.adapter import LoRAAdapter
 from precache.models.contract import LayerInput, Row
 
@@ -99,7 +99,7 @@ def view_reads(model, view: View, split_runs: bool) -> list[KVRead]:
     reads = []
     for start, end, rows in pieces:
         if lr_cols is not None and "k_proj" in view.adapter.targets:
-            cos, sin = model.rope.tables(torch.arange(start, end, device=model.device))
+            cos, sin = model.rope.span(start, end)  # views of the tables: no op on the device
         reads.append(
             KVRead(view.store.pool, start, end, rows, view.adapter if lr_cols else None, lr_cols, cos, sin)
         )
@@ -130,58 +130,90 @@ def lr_entries(
 
 
 @dataclass(frozen=True)
-class _WriteSpec:
-    """A write resolved to pool rows: batch rows ``src`` of the layer input go to pool rows ``dst``."""
+class _WriteGroup:
+    """Writes of one kind merged over every row of the forward and resolved to pool rows: batch rows
+    ``src`` of the layer input go to rows ``dst`` of ``pool`` (slices for a single contiguous piece,
+    else index tensors on the device). ``kind``: ``"base"`` (adapter-free K/V), ``"full"``
+    (``adapter``'s own K/V) or ``"lr"`` (``h A^k``, ``h A^v`` of ``adapter`` into columns ``cols``).
+    One group costs a few ops per layer however many rows it covers."""
 
-    write: BaseWrite | FullWrite | LRWrite
-    plan: RowPlan
-    src: slice
+    kind: str
+    pool: KVPool
+    src: slice | torch.Tensor
     dst: slice | torch.Tensor
+    adapter: LoRAAdapter | None = None
+    cols: tuple[slice, slice] | None = None
 
 
 class PlannedAttention:
     """The :class:`~precache.models.contract.AttentionBackend` that writes the plans' cache entries
     at each layer, then runs the attention ``backend`` over every row at once."""
 
-    def __init__(self, writes: list[_WriteSpec], meta: BatchMetadata, backend: AttentionBackend):
+    def __init__(self, writes: list[_WriteGroup], meta: BatchMetadata, backend: AttentionBackend):
         self.writes, self.meta, self.backend = writes, meta, backend
 
     def attend(self, x: LayerInput) -> torch.Tensor:
         layer = x.layer
-        for spec in self.writes:
-            w, pool = spec.write, _paged(spec.write).pool
-            if isinstance(w, LRWrite):
-                lk, lv = lr_entries(x, spec.src, w.adapter)
+        for g in self.writes:
+            if g.kind == "lr":
+                lk, lv = lr_entries(x, g.src, g.adapter)
                 if lk is not None:
-                    pool.lr[layer][spec.dst, w.store.cols_k] = lk
+                    g.pool.lr[layer][g.dst, g.cols[0]] = lk
                 if lv is not None:
-                    pool.lr[layer][spec.dst, w.store.cols_v] = lv
+                    g.pool.lr[layer][g.dst, g.cols[1]] = lv
                 continue
-            if isinstance(w, BaseWrite):
+            if g.kind == "base":
                 k, v = x.base_kv()
-                k, v = k[spec.src], v[spec.src]
+                k, v = k[g.src], v[g.src]
             else:
-                k, v = x.adapted_kv(spec.src, spec.plan.adapter)
-            pool.k[layer][spec.dst] = k
-            pool.v[layer][spec.dst] = v
+                k, v = x.adapted_kv(g.src, g.adapter)
+            g.pool.k[layer][g.dst] = k
+            g.pool.v[layer][g.dst] = v
         return self.backend.forward(x.q, layer, self.meta, x.model)
 
 
-def _prepare(plans: list[RowPlan]) -> list[_WriteSpec]:
-    """Reserve and copy-on-write every written block first (block ids may change), then resolve rows."""
+def _group_key(plan: RowPlan, w) -> tuple:
+    pool = _paged(w).pool
+    if isinstance(w, LRWrite):
+        return ("lr", id(pool), id(w.adapter), w.store.cols_k.start, w.store.cols_v.start)
+    if isinstance(w, BaseWrite):
+        return ("base", id(pool))
+    return ("full", id(pool), id(plan.adapter))
+
+
+def _merged(pieces: list[tuple[int, int]], device) -> slice | torch.Tensor:
+    """Index ranges ``[start, stop)`` as one slice, or one index tensor built on the host and
+    copied to ``device`` once (never read back)."""
+    if len(pieces) == 1:
+        return slice(*pieces[0])
+    return torch.cat([torch.arange(a, b) for a, b in pieces]).to(device)
+
+
+def _prepare(plans: list[RowPlan]) -> list[_WriteGroup]:
+    """Reserve and copy-on-write every written block first (block ids may change), then resolve
+    rows and merge the writes of one kind (one pool, one adapter) across rows."""
     for plan in plans:
         for w in plan.writes:
             start = _write_start(plan, w)
             if start < plan.end:
                 _paged(w).prepare_write(start, plan.end)
-    specs = []
+    groups: dict[tuple, tuple[RowPlan, object, list, list]] = {}
     for plan in plans:
         for w in plan.writes:
             start = _write_start(plan, w)
             if start < plan.end:
-                src = slice(plan.row.start + start - plan.pos0, plan.row.end)
-                specs.append(_WriteSpec(w, plan, src, _paged(w).rows(start, plan.end)))
-    return specs
+                entry = groups.setdefault(_group_key(plan, w), (plan, w, [], []))
+                entry[2].append((plan.row.start + start - plan.pos0, plan.row.end))
+                entry[3].extend((row, row + e - s) for s, e, row in _paged(w).runs(start, plan.end))
+    out = []
+    for key, (plan, w, src, dst) in groups.items():
+        pool = _paged(w).pool
+        adapter = w.adapter if isinstance(w, LRWrite) else plan.adapter
+        cols = (w.store.cols_k, w.store.cols_v) if isinstance(w, LRWrite) else None
+        out.append(
+            _WriteGroup(key[0], pool, _merged(src, pool.device), _merged(dst, pool.device), adapter, cols)
+        )
+    return out
 
 
 def _metadata(model, plans: list[RowPlan], num_tokens: int) -> BatchMetadata:
@@ -243,7 +275,7 @@ def run_plans(
     writes = _prepare(plans)
     meta = _metadata(model, plans, start)
     ids = torch.tensor([t for p in plans for t in p.token_ids], device=model.device)
-    positions = torch.cat([torch.arange(p.pos0, p.end, device=model.device) for p in plans])
+    positions = torch.cat([torch.arange(p.pos0, p.end) for p in plans]).to(model.device)  # one copy
     wanted = [i for i, p in enumerate(plans) if p.want_logits]
     attention = PlannedAttention(writes, meta, backend or TorchBackend())
     logits = model.forward(ids, positions, rows, attention, logits_at=[rows[i].end - 1 for i in wanted])
