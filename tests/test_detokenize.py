@@ -204,3 +204,47 @@ def test_server_text_equals_the_library_streamed_or_not(smol_vocab_engine, smol_
         )
         pieces = [c.choices[0].text for c in stream if c.choices]
         assert "".join(pieces) == want.text and not any(REPLACEMENT in p for p in pieces)
+
+
+def test_the_agent_loop_keeps_its_trajectory_under_the_stop_rule(tmp_path, monkeypatch):
+    """The loop's stop strings ("[", "]") are no longer in ``turn.text``: its pieces
+    (``text + trimmed``) still spell the whole trajectory and the parsers still read the action.
+    A tiny model with a 1024-token context and the one-character-per-token tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    from precache.agents.data import get_question
+    from precache.agents.loop import run_episode
+    from precache.engine import turn as turn_module
+    from tests.test_server_support import char_tokenizer
+    from tests.tiny import save_random_adapter
+
+    cfg = tiny_hf_config("llama")
+    cfg.max_position_embeddings = 1024
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    dirs = {
+        a: save_random_adapter(hf, tmp_path / a, seed=i) for i, a in enumerate(("plan", "action", "reflect"))
+    }
+    engine = precache.Engine(
+        model_from_hf(hf, tokenizer=char_tokenizer()), adapters=dirs, method="prelrshared"
+    )
+    script = {"plan": "Thought: go\nAction: Finish[", "action": "Badr Hari]", "reflect": "Reflect[right]"}
+    original_advance = turn_module.SteppedTurn.advance
+    current = {}
+
+    def advance(self, logits):
+        current["turn"] = self
+        return original_advance(self, logits)
+
+    def fake_sample(logits, params, generator=None):
+        t = current["turn"]
+        return engine.encode(script[t.agent])[len(t.out)]
+
+    monkeypatch.setattr(turn_module, "sample", fake_sample)
+    monkeypatch.setattr(turn_module.SteppedTurn, "advance", advance)
+    session = engine.session()
+    episode = run_episode(session, get_question("5a832c3455429954d2e2ec41"), max_new_tokens=40)
+    assert episode.stop_reason == "reflect_right" and episode.answer == "Badr Hari" and episode.em == 1.0
+    assert [t.text for t in episode.turns] == ["Thought: go\nAction: Finish", "Badr Hari", "Reflect[right"]
+    assert {t.matched_stop for t in episode.turns} == {"[", "]"}
+    assert episode.trajectory == engine.decode(session.token_ids)
