@@ -1,7 +1,7 @@
 """Engine, scheduler, requests, sessions and sampling."""
 
 from precache.engine.engine import Engine
-from precache.engine.request import Request, RequestState, StreamChunk, Turn
+from precache.engine.request import Request, RequestState, StreamChunk, TokenLogprob, Turn
 from precache.engine.scheduler import Batch, SchedulerConfig, run_concurrently
 from precache.engine.session import Session
 
@@ -13,6 +13,7 @@ __all__ = [
     "SchedulerConfig",
     "Session",
     "StreamChunk",
+    "TokenLogprob",
     "Turn",
     "run_concurrently",
 ]
