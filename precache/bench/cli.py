@@ -37,7 +37,10 @@ def _bench_trace(args: argparse.Namespace) -> int:
     methods = methods_with_reference(args.methods)
     trace = load_trace(trace_path(args.trace))
     adapters = adapter_set(args.adapters, trace.agents)
-    model = precache.load_model(args.model, max_context=args.max_context, device=args.device)
+    # a trace replays token ids: a checkpoint without tokenizer files is enough
+    model = precache.load_model(
+        args.model, max_context=args.max_context, device=args.device, require_tokenizer=False
+    )
     check_fits(trace, model.max_context)
     stream = token_stream(trace, model.config.vocab_size, special_ids(model), args.seed)
     runners = {}
