@@ -11,6 +11,7 @@ generates what ``"torch"`` does.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -146,6 +147,19 @@ def test_triton_equals_torch_backend_on_random_rows(head_dim, group, seed):
         assert got.shape == want.shape
         assert not want.isnan().any()
         assert torch.allclose(got, want, atol=2e-5, rtol=1e-4), (layer, (got - want).abs().max())
+
+
+@in_interpreter
+@pytest.mark.parametrize("window", [(1, None), (5, 12)])
+def test_triton_sliding_window_equals_torch_backend(window):
+    model = _model(16, 3)
+    q, meta, _ = _random_batch(model, 2)
+    meta = BatchMetadata(tuple(dataclasses.replace(row, window=window) for row in meta.rows), meta.num_tokens)
+    triton = TritonBackend(num_splits=2, block_n=16)
+    for layer in range(model.config.num_layers):
+        want = get_backend("torch").forward(q, layer, meta, model)
+        assert torch.allclose(triton.forward(q, layer, meta, model), want, atol=2e-5, rtol=1e-4), layer
+    assert not triton.refused
 
 
 @in_interpreter

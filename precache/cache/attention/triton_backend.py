@@ -7,10 +7,10 @@ continuations, decode rows, GQA and ReBaseShared DB's adapter-free rows all go i
 Everything the kernel needs that does not change between layers (slot tables, tiles, ranks, the
 adapters' stacked ``B``) is built once per forward, on the host, then copied to the device once.
 
-What it refuses, falling back to the torch reference for the whole forward (logged once at INFO):
-a row whose reads carry two different adapters or LR column sets, reads from several pools, a
-query dtype that differs from the pool's, and rows with a sliding window (``window`` on a row of
-the metadata), which the kernel does not mask.
+Sliding windows (``RowAttention.window``) are masked in the kernel, per layer. What it refuses,
+falling back to the torch reference for the whole forward (logged once at INFO): a row whose reads
+carry two different adapters or LR column sets, reads from several pools, rows with different
+sliding windows, and a query dtype that differs from the pool's.
 
 Chosen by default when the model is on CUDA and triton is installed (:func:`default_backend`).
 """
@@ -66,6 +66,7 @@ class _Prepared:
     r_pad: int
     block_m: int
     n_splits: int
+    windows: tuple[int | None, ...]  # sliding window per layer in tokens (None: full causal)
     has_k: bool
     has_v: bool
 
@@ -103,9 +104,9 @@ class TritonBackend(AttentionBackend):
         pools = {id(read.pool) for row in meta.rows for read in row.reads}
         if len(pools) > 1:
             return "the rows read several pools"
+        if len({getattr(row, "window", None) for row in meta.rows}) > 1:
+            return "rows have different sliding windows"
         for row in meta.rows:
-            if getattr(row, "window", None) is not None:
-                return "a row has a sliding window"
             lr = {(id(r.adapter), str(r.lr_cols)) for r in row.reads if r.lr_cols is not None}
             if len(lr) > 1:
                 return "a row reads the LR caches of two adapters"
@@ -193,6 +194,7 @@ class TritonBackend(AttentionBackend):
             r_pad=r_pad,
             block_m=block_m,
             n_splits=self._splits(n_tiles * c.num_kv_heads, max(t[2] for t in tiles), device),
+            windows=tuple(getattr(meta.rows[0], "window", None) or (None,) * c.num_layers),
             has_k=has_k,
             has_v=has_v,
         )
@@ -271,6 +273,7 @@ class TritonBackend(AttentionBackend):
             cos.stride(0),
             n,
             layer * p.rank_k.shape[1],  # rank tables are [n_layers, n_rows]: no per-layer views
+            p.windows[layer] or 0,
             math.log2(math.e) / math.sqrt(d),
             G=hq // c.num_kv_heads,
             HKV=c.num_kv_heads,

@@ -9,7 +9,8 @@ of every key, the row's block table expanded once per forward). Per key tile it
 - loads ``Kb`` and, for keys read with an LR cache, adds ``RoPE(s Lk B^k)`` as
   ``(Lk sB^k) * cos + (Lk rot(sB^k)) * sin`` (RoPE is linear, ``rot`` is rotate-half applied to the
   columns of ``B^k`` beforehand; DESIGN.md, Notation);
-- masks keys after each query's position (causal offsets, varlen rows), then the online softmax
+- masks keys after each query's position (causal offsets, varlen rows) and, at a layer with a
+  sliding window ``w``, keys at or before ``t - w`` (transformers' sliding-window mask), then the online softmax
   (Dao et al., FlashAttention-2, Algorithm 1) accumulates ``P Vb`` ``[BLOCK_M, D]`` and
   ``P Lv`` ``[BLOCK_M, R]`` with the same rescaling;
 - at the end adds ``(P Lv) sB^v``: the values ``P Vb + s (P Lv) B^v`` are never materialised.
@@ -37,7 +38,7 @@ def _mma(a, b, UPCAST: tl.constexpr):
     return out
 
 
-@triton.jit(do_not_specialize=["n_tokens", "rank_off"])
+@triton.jit(do_not_specialize=["n_tokens", "rank_off", "window"])
 def paged_lora_attention(
     q_ptr,
     out_ptr,
@@ -74,6 +75,7 @@ def paged_lora_attention(
     stride_cos,
     n_tokens,
     rank_off,
+    window,
     qk_scale,
     G: tl.constexpr,
     HKV: tl.constexpr,
@@ -104,6 +106,7 @@ def paged_lora_attention(
     qh = hk * G + offs_m % G
     m_valid = t < q_len
     q_pos = q_start + t
+    oldest = tl.where(window > 0, q_pos - window, -1)  # sliding window: keys after q_pos - window
     offs_d = tl.arange(0, D_PAD)
     d_valid = offs_d < D
     q_rows = (q_off + t).to(tl.int64) * stride_qn + qh * stride_qh
@@ -152,7 +155,7 @@ def paged_lora_attention(
             delta = _mma(lk, bk, UPCAST) * cos + _mma(lk, bkrot, UPCAST) * sin
             k = (k.to(tl.float32) + delta).to(k.dtype)
         s = _mma(q, tl.trans(k), UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-        visible = n_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        visible = n_valid[None, :] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > oldest[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
