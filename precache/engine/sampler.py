@@ -23,19 +23,22 @@ def shape_logits(
     is not changed). ``stop_ids``: the token ids masked while fewer than ``params.min_tokens``
     tokens are out (the turn's stop tokens)."""
     out = logits.clone()
-    vocab = out.shape[-1]
+    vocab, dev = out.shape[-1], out.device
     if params.logit_bias:
-        ids = torch.tensor([i for i, _ in params.logit_bias], dtype=torch.long)
-        out.index_add_(0, ids, torch.tensor([b for _, b in params.logit_bias], dtype=out.dtype))
+        ids = torch.tensor([i for i, _ in params.logit_bias], dtype=torch.long, device=dev)
+        out.index_add_(0, ids, torch.tensor([b for _, b in params.logit_bias], dtype=out.dtype, device=dev))
     if len(output_ids) < params.min_tokens and stop_ids:
-        out[torch.tensor(sorted(i for i in stop_ids if 0 <= i < vocab), dtype=torch.long)] = float("-inf")
+        masked = sorted(i for i in stop_ids if 0 <= i < vocab)
+        out[torch.tensor(masked, dtype=torch.long, device=dev)] = float("-inf")
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=dev)
         if seen.numel():
             s = out[seen]
             out[seen] = torch.where(s > 0, s / params.repetition_penalty, s * params.repetition_penalty)
     if (params.frequency_penalty or params.presence_penalty) and output_ids:
-        counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.long), minlength=vocab)[:vocab]
+        counts = torch.bincount(
+            torch.tensor(list(output_ids), dtype=torch.long, device=dev), minlength=vocab
+        )[:vocab]
         counts = counts.to(out.dtype)
         out -= counts * params.frequency_penalty + (counts > 0).to(out.dtype) * params.presence_penalty
     return out
@@ -58,7 +61,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         probs = torch.softmax(sorted_scores, dim=-1)
         drop = probs.cumsum(-1) - probs > params.top_p  # keep the token that crosses top_p
         scores = scores.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator))
+    probs = torch.softmax(scores, dim=-1)
+    if generator is not None and generator.device != probs.device:  # a seeded CPU generator
+        probs = probs.cpu()
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def token_logprobs(logits: torch.Tensor, token_id: int, top: int) -> tuple[float, list[tuple[int, float]]]:
