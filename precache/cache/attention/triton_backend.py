@@ -50,6 +50,29 @@ def _pow2_at_least_16(n: int) -> int:
     return max(16, 1 << max(0, n - 1).bit_length())
 
 
+def _ranges(starts: list[int], lens: list[int]) -> torch.Tensor:
+    """``cat([arange(s, s + n) for s, n in zip(starts, lens)])`` in a few vectorised ops (a decode
+    batch reads thousands of block runs)."""
+    lens_t = torch.tensor(lens, dtype=torch.int64)
+    first = torch.cumsum(lens_t, 0) - lens_t  # where each range begins in the output
+    shift = torch.repeat_interleave(torch.tensor(starts, dtype=torch.int64) - first, lens_t)
+    return torch.arange(int(lens_t.sum())) + shift
+
+
+def _row_ranks(adapters: list, row_adapter: list[int], meta: BatchMetadata, num_layers: int):
+    """``(rank_k, rank_v)`` ``[num_layers, n_rows]``: the LR columns a row's adapter adds at each
+    layer (0 for a row without LR reads, or a layer where the adapter has no LoRA on k / v)."""
+    table = torch.zeros(2, num_layers, len(adapters) + 1, dtype=torch.int64)  # last column: no adapter
+    for j, adapter in enumerate(adapters):
+        read = next(r for row in meta.rows for r in row.reads if r.adapter is adapter and r.lr_cols)
+        widths = [cols.stop - cols.start for cols in read.lr_cols]
+        for layer in range(num_layers):
+            for side, proj in enumerate(("k_proj", "v_proj")):
+                table[side, layer, j] = widths[side] if adapter.has(layer, proj) else 0
+    index = torch.tensor(row_adapter, dtype=torch.int64)  # -1 picks the last column
+    return table[0][:, index], table[1][:, index]
+
+
 @dataclass
 class _Prepared:
     """One forward's kernel inputs (device tensors), valid for every layer."""
@@ -139,64 +162,69 @@ class TritonBackend(AttentionBackend):
         return self._stacks[key][1]
 
     def _prepare(self, q: torch.Tensor, meta: BatchMetadata, model) -> _Prepared:
-        c = model.config
+        c, device = model.config, q.device
         group = c.num_heads // c.num_kv_heads
-        pool = meta.rows[0].reads[0].pool
-        slots, positions, lr_flags, rows, tiles = [], [], [], [], []
-        adapters: list = []
-        rank_k = [[0] * len(meta.rows) for _ in range(c.num_layers)]
-        rank_v = [[0] * len(meta.rows) for _ in range(c.num_layers)]
         max_slots = max((row.q_rows.stop - row.q_rows.start) * group for row in meta.rows)
         block_m = 16 if max_slots <= 16 else 128 if q.is_cuda and max_slots >= 1024 else 64
+        adapters: list = []
+        starts, lens, pos_starts, flags, gathered, rows, tiles, row_adapter = [], [], [], [], [], [], [], []
         key_off = 0
         for i, row in enumerate(meta.rows):
-            ad_index = col_k = col_v = 0
+            ad_index = col_k = col_v = -1
+            row_keys = 0  # keys of this row's earlier reads
             for read in row.reads:
-                n = read.end - read.start
-                rr = read.rows
-                slots.append(
-                    torch.arange(rr.start, rr.start + n, device=q.device) if isinstance(rr, slice) else rr
-                )  # index tensors are already on the device: no host round trip
-                positions.append(torch.arange(read.start, read.end))
-                lr_flags.append(torch.full((n,), int(read.lr_cols is not None and read.adapter is not None)))
-                if read.lr_cols is not None and read.adapter is not None:
-                    adapter = read.adapter
-                    if not any(a is adapter for a in adapters):
-                        adapters.append(adapter)
-                    ad_index = next(j for j, a in enumerate(adapters) if a is adapter)
-                    (ks, vs), (col_k, col_v) = read.lr_cols, (read.lr_cols[0].start, read.lr_cols[1].start)
-                    for layer in range(c.num_layers):
-                        rank_k[layer][i] = (ks.stop - ks.start) if adapter.has(layer, "k_proj") else 0
-                        rank_v[layer][i] = (vs.stop - vs.start) if adapter.has(layer, "v_proj") else 0
-            n_q = row.q_rows.stop - row.q_rows.start
-            rows.append((key_off, row.q_rows.start, n_q, row.q_start, ad_index, col_k, col_v))
+                if isinstance(read.rows, slice):
+                    starts.append(read.rows.start)
+                else:  # scattered pool rows, already on the device: copied in place below
+                    starts.append(0)
+                    gathered.append((key_off + row_keys, read.rows))
+                lens.append(read.end - read.start)
+                row_keys += lens[-1]
+                pos_starts.append(read.start)
+                flags.append(int(read.lr_cols is not None and read.adapter is not None))
+                if flags[-1]:
+                    if not any(a is read.adapter for a in adapters):
+                        adapters.append(read.adapter)
+                    ad_index = next(j for j, a in enumerate(adapters) if a is read.adapter)
+                    col_k, col_v = read.lr_cols[0].start, read.lr_cols[1].start
+            n_q, n_keys = row.q_rows.stop - row.q_rows.start, row_keys
+            rows.append(
+                (key_off, row.q_rows.start, n_q, row.q_start, max(ad_index, 0), max(col_k, 0), max(col_v, 0))
+            )
+            row_adapter.append(ad_index)
             for m0 in range(0, n_q * group, block_m):
                 last = row.q_start + min(n_q - 1, (m0 + block_m - 1) // group)  # last query position
-                visible = sum(max(0, min(r.end, last + 1) - r.start) for r in row.reads)
+                visible = (
+                    n_keys
+                    if last >= row.reads[-1].end - 1
+                    else sum(max(0, min(r.end, last + 1) - r.start) for r in row.reads)
+                )
                 tiles.append((i, m0, visible))
-            key_off += sum(r.end - r.start for r in row.reads)
-        r_pad = _pow2_at_least_16(max((a.rank for a in adapters), default=1))
-        device = q.device
+            key_off += n_keys
         as_int = {"dtype": torch.int32, "device": device}
-        has_k = any(any(r) for r in rank_k)
-        has_v = any(any(r) for r in rank_v)
-        n_tiles = len(tiles)
+        key_slot = _ranges(starts, lens).to(**as_int)
+        for off, idx in gathered:
+            key_slot[off : off + idx.numel()] = idx
+        rank_k, rank_v = _row_ranks(adapters, row_adapter, meta, c.num_layers)
+        r_pad = _pow2_at_least_16(max((a.rank for a in adapters), default=1))
         return _Prepared(
-            pool=pool,
-            key_slot=torch.cat([s.to(**as_int) for s in slots]),
-            key_pos=torch.cat(positions).to(**as_int),
-            key_lr=torch.cat(lr_flags).to(dtype=torch.int8, device=device),
+            pool=meta.rows[0].reads[0].pool,
+            key_slot=key_slot,
+            key_pos=_ranges(pos_starts, lens).to(**as_int),
+            key_lr=torch.repeat_interleave(torch.tensor(flags, dtype=torch.int8), torch.tensor(lens)).to(
+                device
+            ),
             rows=torch.tensor(rows, **as_int).T.contiguous(),
-            rank_k=torch.tensor(rank_k, **as_int),
-            rank_v=torch.tensor(rank_v, **as_int),
+            rank_k=rank_k.to(**as_int),
+            rank_v=rank_v.to(**as_int),
             tiles=torch.tensor(tiles, **as_int).T.contiguous(),
             b=self._adapter_stack(adapters, model, r_pad) if adapters else None,
             r_pad=r_pad,
             block_m=block_m,
-            n_splits=self._splits(n_tiles * c.num_kv_heads, max(t[2] for t in tiles), device),
+            n_splits=self._splits(len(tiles) * c.num_kv_heads, max(t[2] for t in tiles), device),
             windows=tuple(getattr(meta.rows[0], "window", None) or (None,) * c.num_layers),
-            has_k=has_k,
-            has_v=has_v,
+            has_k=bool(rank_k.any()),
+            has_v=bool(rank_v.any()),
         )
 
     def _splits(self, programs: int, max_keys: int, device: torch.device) -> int:
