@@ -44,3 +44,17 @@ def test_bf16_engine_matches_fp32_within_bf16_tolerance(tmp_path, method):
     assert err > 0  # bf16 really ran
     assert err < 0.05 * scale, (err, scale)
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+def test_default_attention_backend_is_triton_on_cuda_and_torch_on_cpu():
+    from precache.cache.attention import default_backend, triton_available
+
+    assert default_backend("cpu") == default_backend(None) == "torch"
+    assert default_backend("cuda:0") == ("triton" if triton_available() else "torch")
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        make_engine(
+            model_from_hf(tiny_hf_model("llama", seed=1, num_layers=1)),
+            {},
+            "prelrshared",
+            attention_backend="flash",
+        )
