@@ -1,8 +1,8 @@
 """The core imports and runs with only torch, transformers and safetensors (+ their own
 dependencies): ``gguf``, ``bm25s``, ``fastapi``, ``uvicorn`` and ``prometheus_client`` stay inside
 the commands that need them, as on a GPU machine that lacks them. A child process whose import
-system refuses those packages builds an engine on a tiny random model, runs one turn, and parses
-the CLI's help pages."""
+system refuses those packages builds an engine on a tiny random model, runs one turn, imports the
+GPU benchmark's modules and parses the CLI's help pages."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ CHILD = textwrap.dedent(
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import precache
+    import precache.bench.gpu, precache.bench.gpu_kernel, precache.bench.gpu_report  # the GPU benchmark
     from precache.cli import build_parser
     from precache.models import model_from_hf
 
