@@ -132,10 +132,12 @@ def _random_batch(model, seed: int, dtype=torch.float32):
     return q, BatchMetadata(tuple(rows), start), pool
 
 
+# (head_dim, GQA group, seed): every rank appears at each shape; head_dim 128 with Llama-3's group of 4
+CASES = [(d, g, s) for d in (16, 64) for g in (1, 3) for s in range(4)] + [(128, 4, 0), (128, 1, 3)]
+
+
 @in_interpreter
-@pytest.mark.parametrize("head_dim", [16, 64])
-@pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(("head_dim", "group", "seed"), CASES)
 def test_triton_equals_torch_backend_on_random_rows(head_dim, group, seed):
     model = _model(head_dim, group)
     q, meta, _ = _random_batch(model, seed)
