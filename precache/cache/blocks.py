@@ -70,6 +70,33 @@ class BlockAllocator:
         """The block registered under ``prefix_hash``, held or cached, or None."""
         return self.block_of.get(prefix_hash)
 
+    @_locked
+    def check(self, holders: dict[int, int] | None = None) -> None:
+        """The integrity check of the rules above; ``holders`` (block -> tables holding it, when the
+        caller knows them) must equal the reference counts of held blocks.
+
+        Raises:
+            CacheIntegrityError: a rule does not hold (the message names the block).
+        """
+        from precache.errors import CacheIntegrityError
+
+        for block in range(self.num_blocks):
+            states = (self.ref[block] > 0) + (block in self.free) + (block in self.cached)
+            if states != 1 or self.ref[block] < 0:
+                raise CacheIntegrityError(f"block {block} is in {states} states (ref {self.ref[block]})")
+            if block in self.cached and block not in self.hash_of:
+                raise CacheIntegrityError(f"cached block {block} has no prefix hash")
+            if block in self.free and block in self.hash_of:
+                raise CacheIntegrityError(f"free block {block} still has a prefix hash")
+        if any(self.block_of.get(h) != b for b, h in self.hash_of.items()) or len(self.block_of) != len(
+            self.hash_of
+        ):
+            raise CacheIntegrityError("the prefix-hash table is not one-to-one")
+        if holders is not None:
+            held = {b: r for b, r in enumerate(self.ref) if r}
+            if held != {b: n for b, n in holders.items() if n}:
+                raise CacheIntegrityError("reference counts differ from the tables that hold the blocks")
+
     # -- changes -------------------------------------------------------------------------------
     @_locked
     def allocate(self, after: int | None = None) -> int:

@@ -128,9 +128,10 @@ class Engine:
         """Context length in tokens."""
         return self.model.max_context
 
-    def session(self) -> Session:
-        """A new, empty trajectory with its own caches."""
-        return Session(self)
+    def session(self, cache_salt: str | None = None) -> Session:
+        """A new, empty trajectory with its own caches; ``cache_salt`` names its tenant (None: the
+        default one): it reuses cache blocks by token prefix only from trajectories of the same salt."""
+        return Session(self, cache_salt=cache_salt)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without special tokens (requires a tokenizer)."""

@@ -35,7 +35,9 @@ class Session:
     another trajectory with the same prefix). The caches live in ``state`` (see :mod:`precache.methods`).
     ``id`` names the trajectory (the server's ``session_id``); ``active`` is the request whose turn
     runs on it (None between turns); ``last_turn_end`` the trajectory length when the latest turn
-    closed (what was appended since is the next turn's :attr:`Turn.appended`).
+    closed (what was appended since is the next turn's :attr:`Turn.appended`). ``cache_salt``: the
+    tenant (None: the default one); the trajectory reuses and publishes cache blocks by token prefix
+    only among trajectories with the same salt (:mod:`precache.cache.prefix`), and its forks keep it.
     """
 
     engine: object
@@ -47,11 +49,13 @@ class Session:
     last_turn: Turn | None = field(default=None, repr=False)
     last_turn_end: int = 0
     active: Request | None = field(default=None, repr=False)
+    cache_salt: str | None = None
 
     def __post_init__(self):
         self.method = self.engine.method
         if self.state is None:
             self.state = self.method.new_state()
+            self.state.salt = self.cache_salt
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -110,6 +114,7 @@ class Session:
             authors=self.authors[:length],
             state=self.method.fork_state(self.state, length),
             last_turn_end=min(self.last_turn_end, length),
+            cache_salt=self.cache_salt,
         )
 
     def close(self) -> None:

@@ -83,11 +83,11 @@ class SteppedTurn:
         # blocks other trajectories published for the same token prefix (never the last token)
         reused = self.method.reuse_prefix(state, agent, session.token_ids)
         session.authors.extend([None] * (reused - len(session.authors)))  # their authors are not ours to know
-        if self.method.prefill_start(state, agent) >= n:  # all cached: recompute the last token
-            self.method.truncate(state, n - 1)
-            del session.authors[n - 1 :]
+        # all cached: re-read the last prompt token for its logits, writing no cache entry (the
+        # entry belongs to whoever processed the token first: DESIGN.md, "Determinism")
+        self.reread = self.method.prefill_start(state, agent) >= n
         self.method.begin_turn(state, agent)
-        self.pos = self.cached_tokens = self.method.prefill_start(state, agent)
+        self.pos = self.cached_tokens = n - 1 if self.reread else self.method.prefill_start(state, agent)
         self.phase = TurnPhase.PREFILL
 
     @property
@@ -113,6 +113,8 @@ class SteppedTurn:
         left = len(s.token_ids) - self.pos
         self._end = self.pos + (left if max_prefill is None else min(left, max(1, max_prefill)))
         plans = self.method.plans(s.state, self.agent, s.token_ids[self.pos : self._end], self.pos)
+        if self.reread:  # the agent's own row only, reading the cached entry of the token itself
+            plans = [RowPlan(p.token_ids, p.pos0, p.adapter, [], p.views) for p in plans[:1]]
         self._chunk_tokens = sum(len(p.token_ids) for p in plans)  # counted once the forward ran
         if self._end < len(s.token_ids):  # an inner chunk: nothing to sample yet
             for plan in plans:

@@ -29,7 +29,9 @@ class CacheState:
     ``full[a]``: a full KV cache (NonShared: one per agent; FullShared: one under ``"shared"``);
     ``turn``: the current agent's exact adapted K/V over its own turn (ReBaseShared only);
     ``turn_start``: where the open turn started (None between turns); ``prefix``: the prefix
-    hashes of the shared store's full blocks (cross-trajectory reuse).
+    hashes of the shared store's full blocks (cross-trajectory reuse); ``salt``: the tenant whose
+    published blocks the trajectory may reuse and publish to (None: the default tenant;
+    :mod:`precache.cache.prefix`).
     """
 
     base: PagedStore | None = None
@@ -38,6 +40,7 @@ class CacheState:
     turn: PagedStore | None = None
     turn_start: int | None = None
     prefix: dict[str, PrefixChain] = field(default_factory=dict)
+    salt: str | None = None
 
     def stores(self) -> list[PagedStore | LRView]:
         out = [self.base, self.turn, *self.lr.values(), *self.full.values()]
@@ -197,7 +200,7 @@ class SharingMethod(ABC):
         full = {a: s.fork(length) for a, s in state.full.items()}
         bs = self.pool.block_size
         prefix = {k: c.fork(min(length, self._store(state, k).length), bs) for k, c in state.prefix.items()}
-        return CacheState(base=base, lr=lr, full=full, prefix=prefix)
+        return CacheState(base=base, lr=lr, full=full, prefix=prefix, salt=state.salt)
 
     # -- cross-trajectory prefix reuse ---------------------------------------------------------
     def prefix_stores(self, state: CacheState) -> dict[str, PagedStore]:
@@ -216,7 +219,7 @@ class SharingMethod(ABC):
         if not self.prefix_caching:
             return
         for key, store in self.prefix_stores(state).items():
-            publish(store, state.prefix.setdefault(key, PrefixChain(key)), trajectory)
+            publish(store, state.prefix.setdefault(key, PrefixChain(key, salt=state.salt)), trajectory)
 
     def reuse_prefix(self, state: CacheState, agent: str | None, token_ids: list[int]) -> int:
         """Before a turn: extend the agent's cache with published blocks of other trajectories that
@@ -228,7 +231,7 @@ class SharingMethod(ABC):
         key = self.reuse_key(agent)
         if key is not None and self.prefix_caching and state.turn_start is None:
             store = self._store(state, key)
-            attach(store, state.prefix.setdefault(key, PrefixChain(key)), token_ids)
+            attach(store, state.prefix.setdefault(key, PrefixChain(key, salt=state.salt)), token_ids)
         return self.prefill_start(state, agent)
 
     def cache_bytes(self, state: CacheState) -> dict:
