@@ -5,10 +5,20 @@ A sharing method turns "agent c processes these tokens" into one or more :class:
 once, and runs the model with :class:`PlannedAttention`, which at every layer writes the entries
 and calls the attention backend over the whole batch. Writes happen before attention, so new
 tokens see themselves; lengths are committed once every layer has written.
+
+Selective recomputation (CacheBlend, DroidSpeak, RelayCaching) is a row with a :class:`Recompute`:
+tokens that already have cache entries run again with the row's adapter, writing only at some
+layers, and the row narrows at a layer boundary to the tokens a selection keeps (the model carries
+only those through the later layers, :class:`~precache.models.contract.Narrowing`). A narrowed
+row's tokens sit at scattered positions; attention runs one query piece per run of consecutive
+positions, each reading the row's views up to the end of its run (causal), so every backend runs
+it unchanged.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +27,7 @@ from precache.cache.attention import DECODE_MAX, AttentionBackend, BatchMetadata
 from precache.cache.attention.torch_backend import TorchBackend, segment_at
 from precache.cache.pool import KVPool, LRView, PagedStore
 from precache.lora.adapter import LoRAAdapter
-from precache.models.contract import LayerInput, Row
+from precache.models.contract import LayerInput, Narrowing, Row
 
 
 @dataclass(frozen=True)
@@ -58,9 +68,68 @@ class View:
     adapter: LoRAAdapter | None = None
 
 
+#: ``select(x, rows, positions)``: the row-local indices ``[kept]`` (ascending, on the device) of
+#: the tokens that go on, given the layer input ``x``, the row's batch slice and its token positions
+Selector = Callable[[LayerInput, slice, list[int]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Selective recomputation of a row whose tokens already have cache entries.
+
+    The row runs layers ``0 .. last_layer`` (None: every layer) and writes its cache entries only
+    at layers ``>= first_write`` (the others keep what the cache holds). With ``select``: after
+    layer ``select_layer`` only the ``kept`` tokens that ``select`` returns go on (their entries
+    are rewritten at the later layers; the dropped ones keep what the layer wrote last). Such a row
+    never carries logits. ``num_layers`` is the model's layer count, for :meth:`cost`.
+
+    Raises:
+        ValueError: a layer out of range, or ``kept`` without ``select``.
+    """
+
+    num_layers: int
+    first_write: int = 0
+    last_layer: int | None = None
+    select_layer: int | None = None
+    select: Selector | None = field(default=None, repr=False)
+    kept: int | None = None
+
+    def __post_init__(self):
+        last = self.num_layers - 1 if self.last_layer is None else self.last_layer
+        if not 0 <= self.first_write <= last < self.num_layers:
+            raise ValueError(
+                f"recompute layers {self.first_write}..{last} are not within 0..{self.num_layers - 1}"
+            )
+        if (self.select is None) != (self.select_layer is None) or (self.select is None) != (
+            self.kept is None
+        ):
+            raise ValueError("a selection needs select, select_layer and kept together")
+        if self.select_layer is not None and not 0 <= self.select_layer < last:
+            raise ValueError(f"select_layer {self.select_layer} must come before the last layer {last}")
+
+    @property
+    def end_layer(self) -> int:
+        """The last layer the row runs."""
+        return self.num_layers - 1 if self.last_layer is None else self.last_layer
+
+    def token_layers(self, n: int) -> int:
+        """Token-layers the row computes for ``n`` tokens: every layer it runs, written or not."""
+        if self.select_layer is None:
+            return n * (self.end_layer + 1)
+        return n * (self.select_layer + 1) + self.kept * (self.end_layer - self.select_layer)
+
+    def cost(self, n: int) -> int:
+        """Prefill cost in tokens: :meth:`token_layers` over the layer count, rounded up."""
+        return math.ceil(self.token_layers(n) / self.num_layers)
+
+
 @dataclass
 class RowPlan:
-    """One row of a forward: tokens at positions ``[pos0, pos0 + len(token_ids))`` run with ``adapter``."""
+    """One row of a forward: tokens at positions ``[pos0, pos0 + len(token_ids))`` run with ``adapter``.
+
+    ``recompute``: the row re-runs tokens selectively (:class:`Recompute`); ``prefill_cost`` is
+    what it counts as prefill work (tokens; a recompute row counts its token-layers over the layer
+    count)."""
 
     token_ids: list[int]
     pos0: int
@@ -68,11 +137,17 @@ class RowPlan:
     writes: list[BaseWrite | FullWrite | LRWrite]
     views: list[View]
     want_logits: bool = True
+    recompute: Recompute | None = None
     row: Row | None = field(default=None, repr=False)
 
     @property
     def end(self) -> int:
         return self.pos0 + len(self.token_ids)
+
+    @property
+    def prefill_cost(self) -> int:
+        n = len(self.token_ids)
+        return n if self.recompute is None else self.recompute.cost(n)
 
 
 def _paged(w: BaseWrite | FullWrite | LRWrite) -> PagedStore:
@@ -145,15 +220,32 @@ class _WriteGroup:
     cols: tuple[slice, slice] | None = None
 
 
+#: a row's tokens as runs of consecutive positions: ``(first position, end position, batch row of
+#: the first)``; one run over the whole row until a :class:`Recompute` narrows it
+Layout = list[tuple[int, int, int]]
+
+
 class PlannedAttention:
     """The :class:`~precache.models.contract.AttentionBackend` that writes the plans' cache entries
-    at each layer, then runs the attention ``backend`` over every row at once."""
+    at each layer, then runs the attention ``backend`` over every row at once.
 
-    def __init__(self, writes: list[_WriteGroup], meta: BatchMetadata, backend: AttentionBackend):
-        self.writes, self.meta, self.backend = writes, meta, backend
+    Rows with a :class:`Recompute` are narrowed at their layer boundaries (:meth:`narrow`); the
+    write groups and the attention metadata are rebuilt when the batch layout or the set of
+    writing rows changes (a few times per forward at most)."""
+
+    def __init__(self, model, plans: list[RowPlan], backend: AttentionBackend):
+        self.model, self.plans, self.backend = model, plans, backend
+        self.layouts: list[Layout] = [[(p.pos0, p.end, p.row.start)] for p in plans]
+        self.meta = _metadata(model, plans, self.layouts)
+        self.writes: list[_WriteGroup] = []
+        self._writing: tuple | None = None
+        self._selected: dict[int, torch.Tensor] = {}
 
     def attend(self, x: LayerInput) -> torch.Tensor:
         layer = x.layer
+        writing = tuple(p.recompute is None or layer >= p.recompute.first_write for p in self.plans)
+        if writing != self._writing:
+            self.writes, self._writing = _write_groups(self.plans, self.layouts, writing), writing
         for g in self.writes:
             if g.kind == "lr":
                 lk, lv = lr_entries(x, g.src, g.adapter)
@@ -169,7 +261,69 @@ class PlannedAttention:
                 k, v = x.adapted_kv(g.src, g.adapter)
             g.pool.k[layer][g.dst] = k
             g.pool.v[layer][g.dst] = v
+        for i, plan in enumerate(self.plans):
+            rc, runs = plan.recompute, self.layouts[i]
+            if rc is not None and rc.select_layer == layer and runs:
+                n = sum(e - s for s, e, _ in runs)
+                rows = slice(runs[0][2], runs[0][2] + n)
+                self._selected[i] = rc.select(x, rows, _positions(runs))
         return self.backend.forward(x.q, layer, self.meta, x.model)
+
+    def narrow(self, layer: int) -> Narrowing | None:
+        """After ``layer``: drop the tokens of recompute rows that stop here or that their
+        selection left out; None when no row narrows.
+
+        Raises:
+            ValueError: a selection returned another number of tokens than its ``kept``.
+        """
+        if not any(
+            p.recompute is not None
+            and self.layouts[i]
+            and layer in (p.recompute.select_layer, p.recompute.end_layer)
+            for i, p in enumerate(self.plans)
+        ):
+            return None
+        device = self.model.device
+        keep, rows, layouts, start = [], [], [], 0
+        for i, plan in enumerate(self.plans):
+            runs, rc = self.layouts[i], plan.recompute
+            positions = _positions(runs)
+            b0 = runs[0][2] if runs else 0
+            if rc is not None and runs and layer == rc.end_layer:
+                positions = []
+            elif rc is not None and runs and layer == rc.select_layer:
+                chosen = self._selected.pop(i).sort().values
+                if chosen.numel() != rc.kept:
+                    raise ValueError(
+                        f"a recompute selection kept {chosen.numel()} tokens, expected {rc.kept}"
+                    )
+                keep.append(chosen.to(device) + b0)
+                positions = [positions[j] for j in chosen.tolist()]
+            else:
+                keep.append(torch.arange(b0, b0 + len(positions), device=device))
+            layouts.append(_runs(positions, start))
+            if positions:
+                rows.append(Row(start, start + len(positions), plan.adapter))
+            start += len(positions)
+        self.layouts, self._writing = layouts, None
+        self.meta = _metadata(self.model, self.plans, layouts)
+        index = torch.cat(keep) if keep else torch.empty(0, dtype=torch.long, device=device)
+        return Narrowing(index, rows)
+
+
+def _positions(runs: Layout) -> list[int]:
+    return [p for s, e, _ in runs for p in range(s, e)]
+
+
+def _runs(positions: list[int], batch_start: int) -> Layout:
+    """Ascending ``positions`` at batch rows from ``batch_start`` on, as runs of consecutive positions."""
+    out: Layout = []
+    for j, p in enumerate(positions):
+        if out and out[-1][1] == p:
+            out[-1] = (out[-1][0], p + 1, out[-1][2])
+        else:
+            out.append((p, p + 1, batch_start + j))
+    return out
 
 
 def _group_key(plan: RowPlan, w) -> tuple:
@@ -189,22 +343,32 @@ def _merged(pieces: list[tuple[int, int]], device) -> slice | torch.Tensor:
     return torch.cat([torch.arange(a, b) for a, b in pieces]).to(device)
 
 
-def _prepare(plans: list[RowPlan]) -> list[_WriteGroup]:
-    """Reserve and copy-on-write every written block first (block ids may change), then resolve
-    rows and merge the writes of one kind (one pool, one adapter) across rows."""
+def _reserve(plans: list[RowPlan]) -> None:
+    """Reserve and copy-on-write every written block before the forward (block ids may change)."""
     for plan in plans:
         for w in plan.writes:
             start = _write_start(plan, w)
             if start < plan.end:
                 _paged(w).prepare_write(start, plan.end)
+
+
+def _write_groups(
+    plans: list[RowPlan], layouts: list[Layout], writing: tuple[bool, ...]
+) -> list[_WriteGroup]:
+    """Resolve the writes of the rows that write at this layer (``writing[i]``) to pool rows and
+    merge the writes of one kind (one pool, one adapter) across rows."""
     groups: dict[tuple, tuple[RowPlan, object, list, list]] = {}
-    for plan in plans:
+    for plan, runs, on in zip(plans, layouts, writing, strict=True):
+        if not on:
+            continue
         for w in plan.writes:
             start = _write_start(plan, w)
-            if start < plan.end:
-                entry = groups.setdefault(_group_key(plan, w), (plan, w, [], []))
-                entry[2].append((plan.row.start + start - plan.pos0, plan.row.end))
-                entry[3].extend((row, row + e - s) for s, e, row in _paged(w).runs(start, plan.end))
+            for s, e, b in runs:
+                first = max(s, start)
+                if first < e:
+                    entry = groups.setdefault(_group_key(plan, w), (plan, w, [], []))
+                    entry[2].append((b + first - s, b + e - s))
+                    entry[3].extend((row, row + stop - p) for p, stop, row in _paged(w).runs(first, e))
     out = []
     for key, (plan, w, src, dst) in groups.items():
         pool = _paged(w).pool
@@ -216,15 +380,18 @@ def _prepare(plans: list[RowPlan]) -> list[_WriteGroup]:
     return out
 
 
-def _metadata(model, plans: list[RowPlan], num_tokens: int) -> BatchMetadata:
+def _metadata(model, plans: list[RowPlan], layouts: list[Layout]) -> BatchMetadata:
+    """One :class:`RowAttention` per run of each row, reading the row's views up to the run's end."""
     rows = []
     windows = model.config.layer_windows  # sliding windows per layer (Mistral, Qwen2/3)
     window = windows if any(w is not None for w in windows) else None
-    for plan in plans:
-        split = len(plan.token_ids) <= DECODE_MAX
-        reads = tuple(r for view in plan.views for r in view_reads(model, view, split))
-        rows.append(RowAttention(plan.row.slice, plan.pos0, reads, window))
-    return BatchMetadata(tuple(rows), num_tokens)
+    for plan, runs in zip(plans, layouts, strict=True):
+        for s, e, b in runs:
+            split = e - s <= DECODE_MAX
+            views = [v if v.end <= e else View(v.store, v.start, e, v.lr, v.adapter) for v in plan.views]
+            reads = tuple(r for view in views for r in view_reads(model, view, split))
+            rows.append(RowAttention(slice(b, b + e - s), s, reads, window))
+    return BatchMetadata(tuple(rows), sum(e - s for runs in layouts for s, e, _ in runs))
 
 
 def blocks_needed(plans: list[RowPlan]) -> int:
@@ -259,28 +426,33 @@ def run_plans(
 ) -> list[torch.Tensor | None]:
     """Run ``plans`` as one mixed-adapter batch; return each plan's last-token logits ``[vocab]`` (or None).
 
-    ``backend`` defaults to the torch reference.
+    ``backend`` defaults to the torch reference. Recompute rows (:class:`Recompute`) go after every
+    other row in the batch, so narrowing them never moves a token whose logits are wanted.
 
     Raises:
-        ValueError: a plan has no tokens.
+        ValueError: a plan has no tokens, or a recompute row asks for logits.
         OutOfBlocksError: the pool has no block left for the writes (nothing was committed).
     """
-    rows, start = [], 0
     for plan in plans:
         if not plan.token_ids:
             raise ValueError("a row plan needs at least one token")
+        if plan.recompute is not None and plan.want_logits:
+            raise ValueError("a recompute row carries no logits (want_logits=False)")
+    order = sorted(range(len(plans)), key=lambda i: plans[i].recompute is not None)  # stable
+    batch = [plans[i] for i in order]
+    rows, start = [], 0
+    for plan in batch:
         plan.row = Row(start, start + len(plan.token_ids), plan.adapter)
         rows.append(plan.row)
         start += len(plan.token_ids)
-    writes = _prepare(plans)
-    meta = _metadata(model, plans, start)
-    ids = torch.tensor([t for p in plans for t in p.token_ids], device=model.device)
-    positions = torch.cat([torch.arange(p.pos0, p.end) for p in plans]).to(model.device)  # one copy
-    wanted = [i for i, p in enumerate(plans) if p.want_logits]
-    attention = PlannedAttention(writes, meta, backend or TorchBackend())
-    logits = model.forward(ids, positions, rows, attention, logits_at=[rows[i].end - 1 for i in wanted])
-    commit_plans(plans)
+    _reserve(batch)
+    ids = torch.tensor([t for p in batch for t in p.token_ids], device=model.device)
+    positions = torch.cat([torch.arange(p.pos0, p.end) for p in batch]).to(model.device)  # one copy
+    wanted = [j for j, p in enumerate(batch) if p.want_logits]
+    attention = PlannedAttention(model, batch, backend or TorchBackend())
+    logits = model.forward(ids, positions, rows, attention, logits_at=[rows[j].end - 1 for j in wanted])
+    commit_plans(batch)
     result: list[torch.Tensor | None] = [None] * len(plans)
-    for j, i in enumerate(wanted):
-        result[i] = logits[j]
+    for k, j in enumerate(wanted):
+        result[order[j]] = logits[k]
     return result

@@ -115,7 +115,8 @@ class SteppedTurn:
         plans = self.method.plans(s.state, self.agent, s.token_ids[self.pos : self._end], self.pos)
         if self.reread:  # the agent's own row only, reading the cached entry of the token itself
             plans = [RowPlan(p.token_ids, p.pos0, p.adapter, [], p.views) for p in plans[:1]]
-        self._chunk_tokens = sum(len(p.token_ids) for p in plans)  # counted once the forward ran
+        # counted once the forward ran; a recompute row counts its token-layers (RowPlan.prefill_cost)
+        self._chunk_tokens = sum(p.prefill_cost for p in plans)
         if self._end < len(s.token_ids):  # an inner chunk: nothing to sample yet
             for plan in plans:
                 plan.want_logits = False

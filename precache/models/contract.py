@@ -88,7 +88,24 @@ class LayerInput:
         return self.model.finish_kv(layer, k_lin, v_lin, self.cos[sl], self.sin[sl])
 
 
+@dataclass(frozen=True)
+class Narrowing:
+    """The tokens of the batch that go on past a layer boundary (selective recomputation).
+
+    ``keep`` ``[N']``: indices into the current batch, ascending, on the model's device; ``rows``:
+    the rows over the kept tokens, in batch order. A narrowing never drops a token whose logits
+    are wanted, and never moves one: such tokens sit before every dropped one.
+    """
+
+    keep: torch.Tensor
+    rows: list[Row]
+
+
 class AttentionBackend(Protocol):
-    """Writes cache entries for a layer and returns the attention output ``[N, n_heads * head_dim]``."""
+    """Writes cache entries for a layer and returns the attention output ``[N, n_heads * head_dim]``.
+
+    A backend may also define ``narrow(layer) -> Narrowing | None``, called after each layer's
+    MLP: the model then carries only the kept tokens through the later layers (the recompute hook
+    of :class:`precache.cache.plan.Recompute`)."""
 
     def attend(self, x: LayerInput) -> torch.Tensor: ...

@@ -173,7 +173,9 @@ class LlamaModel:
 
         ``input_ids`` and ``positions`` are ``[N]``; ``rows`` cut them into sequences, each with its
         own adapter. ``logits_at`` indexes the tokens whose next-token logits are wanted (default:
-        the last token of each row).
+        the last token of each row). When ``attention`` narrows the batch at a layer boundary
+        (:class:`~precache.models.contract.Narrowing`), only the kept tokens run the later layers;
+        ``logits_at`` then indexes the narrowed batch (a narrowing never moves a wanted token).
 
         Raises:
             ContextLengthError: a position is past ``max_context``.
@@ -185,10 +187,14 @@ class LlamaModel:
             )
         x = self.embed[input_ids]  # [N, hidden]
         cos, sin = self.rope.tables(positions)
+        narrow = getattr(attention, "narrow", None)  # selective recomputation (contract.Narrowing)
         for i, w in enumerate(self.layers):
             attn = attention.attend(self._attention_input(x, i, rows, cos, sin))  # [N, Hq * D]
             x = x + add_lora(F.linear(attn, w["o_proj"], w["o_proj_bias"]), attn, rows, i, "o_proj")
             x = x + self._mlp(x, i, rows)
+            cut = narrow(i) if narrow is not None else None
+            if cut is not None:
+                x, cos, sin, rows = x[cut.keep], cos[cut.keep], sin[cut.keep], cut.rows
         if logits_at is None:
             logits_at = [row.end - 1 for row in rows]
         last = rms_norm(x[logits_at], self.norm, c.rms_norm_eps)
