@@ -5,12 +5,27 @@ from __future__ import annotations
 from precache.errors import UnknownMethodError
 from precache.methods.base import CacheState, SharingMethod
 from precache.methods.baseshared import BaseShared
+from precache.methods.cacheblend import CacheBlend
+from precache.methods.droidspeak import DroidSpeak
 from precache.methods.fullshared import FullShared
 from precache.methods.nonshared import NonShared
 from precache.methods.prelrshared import PreLRShared
 from precache.methods.rebaseshared import ReBaseShared
+from precache.methods.relaycaching import RelayCaching
 
-METHODS = ("nonshared", "fullshared", "baseshared", "prelrshared", "rebaseshared-lp", "rebaseshared-db")
+METHODS = (
+    "nonshared",
+    "fullshared",
+    "baseshared",
+    "prelrshared",
+    "rebaseshared-lp",
+    "rebaseshared-db",
+    "cacheblend",
+    "droidspeak",
+    "relaycaching",
+)
+#: the selective-recomputation baselines (DESIGN.md): a shared full cache, partly recomputed per turn
+SELECTIVE_METHODS = ("cacheblend", "droidspeak", "relaycaching")
 
 
 def make_method(name: str, model, adapters, **pool_options) -> SharingMethod:
@@ -28,6 +43,9 @@ def make_method(name: str, model, adapters, **pool_options) -> SharingMethod:
         "fullshared": FullShared,
         "baseshared": BaseShared,
         "prelrshared": PreLRShared,
+        "cacheblend": CacheBlend,
+        "droidspeak": DroidSpeak,
+        "relaycaching": RelayCaching,
     }
     if key in simple:
         return simple[key](model, adapters, **pool_options)
@@ -38,4 +56,4 @@ def make_method(name: str, model, adapters, **pool_options) -> SharingMethod:
     raise UnknownMethodError(f"unknown sharing method '{name}' (methods: {', '.join(METHODS)})")
 
 
-__all__ = ["METHODS", "CacheState", "SharingMethod", "make_method"]
+__all__ = ["METHODS", "SELECTIVE_METHODS", "CacheState", "SharingMethod", "make_method"]
