@@ -10,7 +10,7 @@ from precache.errors import ModelLoadError
 from precache.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from precache.models.contract import AttentionBackend, LayerInput, Row
 from precache.models.llama import DenseAttention, LlamaModel, dense_logits
-from precache.models.loader import embedded_checkpoint, resolve_checkpoint
+from precache.models.loader import checkpoint_name, embedded_checkpoint, resolve_checkpoint
 
 #: files any of which makes a checkpoint folder carry a tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -52,6 +52,7 @@ def load_model(
     tokenizer = _load_tokenizer(folder, require_tokenizer)
     generation_config = _load_generation_config(folder)
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    hf_model.config._name_or_path = checkpoint_name(folder)  # a converted GGUF's folder is a hash
     return model_from_hf(hf_model, tokenizer, folder, device, max_context, generation_config)
 
 

@@ -29,7 +29,8 @@ from precache.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
-_EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+_EMBEDDED_GGUF = f"{EMBEDDED_MODEL_NAME}.Q4_1.gguf"
 
 
 def precache_home() -> Path:
@@ -55,7 +56,7 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
+def convert_gguf(gguf_file: Path, out_dir: Path, name: str | None = None) -> Path:
     """De-quantise a GGUF file into an HF checkpoint folder (config, safetensors, tokenizer).
 
     A GGUF-loaded model refuses ``save_pretrained``, so its state dict is copied into a fresh
@@ -74,6 +75,7 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", suffix=".tmp", dir=out_dir.parent))
     fresh.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    _write_source(tmp, gguf_file, name)
     try:
         tmp.rename(out_dir)  # atomic: a half-written folder is never taken for a checkpoint
     except OSError:  # another process converted the same file first: keep its folder
@@ -111,17 +113,40 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def converted_checkpoint(gguf_file: Path) -> Path:
-    """HF checkpoint folder converted from ``gguf_file``, keyed by its content; converted on first use."""
+_SOURCE = "precache-source.json"
+
+
+def _write_source(folder: Path, gguf_file: Path, name: str | None) -> None:
+    """Record which file a converted folder came from and the model's name (the folder itself is
+    named by a content hash)."""
+    source = {"name": name or gguf_file.stem, "file": str(gguf_file)}
+    (folder / _SOURCE).write_text(json.dumps(source, indent=1))
+
+
+def checkpoint_name(folder: str | os.PathLike) -> str:
+    """The model's name for people (the served model id, the adapter base-model check): the
+    source name recorded for a folder converted from GGUF, else the folder's own name."""
+    folder = Path(folder)
+    try:
+        return str(json.loads((folder / _SOURCE).read_text())["name"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return folder.name
+
+
+def converted_checkpoint(gguf_file: Path, name: str | None = None) -> Path:
+    """HF checkpoint folder converted from ``gguf_file``, keyed by its content; converted on first
+    use. ``name`` (default: the file's stem) is recorded as the model's name."""
     out = precache_home() / "models" / f"gguf-{file_sha256(gguf_file)[:24]}"
     if not (out / "config.json").is_file():
-        convert_gguf(gguf_file, out)
+        convert_gguf(gguf_file, out, name)
+    elif not (out / _SOURCE).is_file():  # converted by an older precache
+        _write_source(out, gguf_file, name)
     return out
 
 
 def embedded_checkpoint() -> Path:
     """HF checkpoint folder of the embedded SmolLM2-135M-Instruct, converted on first use."""
-    return converted_checkpoint(embedded_gguf_path())
+    return converted_checkpoint(embedded_gguf_path(), EMBEDDED_MODEL_NAME)
 
 
 def resolve_checkpoint(path: str | os.PathLike | None) -> Path:

@@ -12,7 +12,8 @@ import logging
 import socket
 from pathlib import Path
 
-from precache.errors import PrecacheError
+from precache.errors import AdapterError, PrecacheError
+from precache.server.config import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,17 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def positive_int(item: str) -> int:
+    """An integer >= 1 (an argparse ``type``)."""
+    try:
+        value = int(item)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes an integer, got {item!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def lora_module(item: str) -> tuple[str, str]:
     """``"plan=DIR"`` -> ``("plan", "DIR")`` (an argparse ``type``).
 
@@ -63,8 +75,6 @@ def adapters_from_args(args: argparse.Namespace) -> dict[str, str]:
     Raises:
         AdapterError: a name is given twice, or a folder holds no ``adapter_config.json``.
     """
-    from precache.errors import AdapterError
-
     out: dict[str, str] = {}
     for name, path in args.lora_modules:
         if name in out:
@@ -109,10 +119,12 @@ def load_model_from_args(args: argparse.Namespace):
 
 
 def served_model_name(args: argparse.Namespace, model) -> str:
-    """``--served-model-name``, else the checkpoint folder's name, else ``base``."""
+    """``--served-model-name``, else the checkpoint's name (a converted GGUF's source name, an HF
+    folder's name), else ``base``."""
     if getattr(args, "served_model_name", None):
         return args.served_model_name
-    return Path(model.path).name if getattr(model, "path", "") else "base"
+    name = getattr(getattr(model, "config", None), "name", "") or getattr(model, "path", "")
+    return Path(name).name if name else "base"
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -129,14 +141,24 @@ def _serve(args: argparse.Namespace) -> int:
     from precache.server.config import ServerConfig
 
     adapters = adapters_from_args(args)
+    api_keys = api_keys_from_args(args)
     sock = bind_socket(args.host, args.port)
     model = load_model_from_args(args)
+    name = served_model_name(args, model)
+    if name in adapters:
+        raise AdapterError(
+            f"--lora-modules {name}=...: the adapter is named like the base model '{name}' "
+            "(rename it, or pass --served-model-name)"
+        )
     engine = precache.Engine(model, adapters=adapters, method=args.method, kv_cache_bytes=args.kv_cache_bytes)
     config = ServerConfig(
-        model_name=served_model_name(args, model),
+        model_name=name,
         max_cache_bytes=args.max_cache_bytes,
         max_running=args.max_num_seqs,
         max_step_tokens=args.max_num_batched_tokens,
+        api_keys=api_keys,
+        max_request_bytes=args.max_request_bytes,
+        trust_client_special_tokens=args.trust_client_special_tokens,
     )
     banner = (
         f"serving {config.model_name} ({engine.method_name}, adapters: {', '.join(adapters) or 'none'}) "
@@ -152,8 +174,32 @@ def _serve(args: argparse.Namespace) -> int:
     # uvicorn's own INFO lines (startup, access log) with -v only
     log_level = "info" if getattr(args, "verbose", 0) else "warning"
     app = create_app(engine, config)
-    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level)).run(sockets=[sock])
+    Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=log_level,
+            timeout_graceful_shutdown=args.shutdown_timeout,
+        )
+    ).run(sockets=[sock])
     return 0
+
+
+def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--api-key`` (repeatable) and the keys of ``--api-keys FILE``, in order, without repeats.
+
+    Raises:
+        APIKeyError: the file cannot be read or holds no key; a key is empty.
+    """
+    from precache.server.tenants import APIKeyError, read_api_keys
+
+    keys = list(getattr(args, "api_key", None) or [])
+    if getattr(args, "api_keys", None):
+        keys += read_api_keys(args.api_keys)
+    if any(not k.strip() for k in keys):
+        raise APIKeyError("--api-key: a key is empty")
+    return tuple(dict.fromkeys(k.strip() for k in keys))
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -179,6 +225,31 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="budget of the sessions' caches; idle sessions past it are evicted, least recently used first",
     )
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests batched at once")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1 (repeatable; each key is a tenant of its own)",
+    )
+    p.add_argument("--api-keys", default=None, metavar="FILE", help="API keys, one per line (as --api-key)")
+    p.add_argument(
+        "--max-request-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help=f"largest request body; larger gets 413 (default {DEFAULT_MAX_REQUEST_BYTES})",
+    )
+    p.add_argument(
+        "--trust-client-special-tokens",
+        action="store_true",
+        help="let chat message content spell the template's control tokens (default: they stay text)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds SIGTERM waits for running requests before cancelling them (default 30)",
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill tokens per forward")
     p.add_argument(
         "--replicas",
