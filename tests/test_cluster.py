@@ -130,7 +130,12 @@ def cluster(tiny):
         num_cpus_per_replica=0,
     )
     app = build_app(
-        factory, served.tokenizer, served.config.vocab_size, ServerConfig(model_name=BASE), config
+        factory,
+        served.tokenizer,
+        served.config.vocab_size,
+        served.max_context,
+        ServerConfig(model_name=BASE),
+        config,
     )
     with (
         ClusterServer(app, port=0, num_cpus=2) as server,
@@ -187,6 +192,40 @@ def test_a_three_agent_conversation_stays_on_one_replica(cluster):
     turns = _conversation(client, 0, turns=4)
     assert len({replica for replica, _, _ in turns}) == 1
     assert turns[0][2] == 0 and all(cached > 0 for _, _, cached in turns[1:])
+
+
+def test_the_ingress_tokenizes_prompts_as_the_server_does(single, tiny):
+    pytest.importorskip("ray.serve")
+    from precache.cluster.ingress import prompt_ids, routing_codec
+
+    model = tiny_with_tokenizer(tiny[0])
+    codec = routing_codec(model.tokenizer, model.max_context)
+    messages = [{"role": "user", "content": "Where is it?"}, {"role": "assistant", "content": "Paris."}]
+    requests = [
+        ("/v1/completions", {"model": "plan", "prompt": "Where is the Eiffel tower?"}),
+        ("/v1/completions", {"model": "plan", "prompt": [5, 6, 7]}),
+        ("/v1/chat/completions", {"model": "action", "messages": messages}),
+    ]
+    for path, body in requests:
+        want = single.post(path.removeprefix("/v1"), json={**body, "max_tokens": 1, "return_token_ids": True})
+        got = prompt_ids(path, json.dumps(body).encode(), codec, model.config.vocab_size)
+        assert got == want.json()["prompt_token_ids"] and len(got) >= 3
+    assert prompt_ids("/v1/completions", b'{"model": "plan", "prompt": []}', codec, 96) == []
+
+
+def test_a_chat_conversation_stays_on_one_replica(cluster):
+    _, client = cluster
+    messages, served = [{"role": "user", "content": "Plan a trip to the old town."}], []
+    for agent in (*AGENTS, "plan"):
+        body = {"model": agent, "messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        r = client.post("/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        served.append((r.headers[REPLICA_HEADER], usage["prompt_tokens_details"]["cached_tokens"]))
+        answer = r.json()["choices"][0]["message"]["content"]
+        messages = [*messages, {"role": "assistant", "content": answer}, {"role": "tool", "content": "ok."}]
+    assert len({replica for replica, _ in served}) == 1
+    assert all(cached > 0 for _, cached in served[1:])
 
 
 def test_concurrent_conversations_spread_and_hit_the_cache_as_one_server_does(cluster, single):

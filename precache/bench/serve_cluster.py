@@ -77,7 +77,12 @@ def _run_level(model, adapters, method, cluster, trace, sessions, qps, model_nam
 
     spec = EngineSpec(str(model.path), adapters, method)
     app = build_app(
-        spec, model.tokenizer, model.config.vocab_size, ServerConfig(model_name=model_name), cluster
+        spec,
+        model.tokenizer,
+        model.config.vocab_size,
+        model.max_context,
+        ServerConfig(model_name=model_name),
+        cluster,
     )
     with ClusterServer(app, port=port) as server:
         asyncio.run(_warm_up(server.url, trace.agents[0], cluster.replicas))

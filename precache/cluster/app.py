@@ -92,7 +92,7 @@ class EngineSpec:
     adapters: dict[str, str] = field(default_factory=dict)
     method: str = "prelrshared"
     kv_cache_bytes: int | None = None
-    dtype: str = "float32"
+    dtype: str | None = None  # a torch dtype name; None: the loader's default
     device: str | None = None
 
     def __call__(self):
@@ -100,16 +100,20 @@ class EngineSpec:
 
         import precache
 
-        model = precache.load_model(self.model, dtype=getattr(torch, self.dtype), device=self.device)
+        dtype = getattr(torch, self.dtype) if self.dtype else None
+        model = precache.load_model(self.model, dtype=dtype, device=self.device)
         return precache.Engine(
             model, adapters=self.adapters, method=self.method, kv_cache_bytes=self.kv_cache_bytes
         )
 
 
-def build_app(engine_factory, tokenizer, vocab_size: int, server_config, cluster: ClusterConfig):
-    """The Serve application (not yet running): ``engine_factory()`` builds each replica's engine,
-    ``tokenizer`` / ``vocab_size`` let the ingress tokenize prompts as the replicas do,
-    ``server_config`` is every replica's :class:`~precache.server.config.ServerConfig`."""
+def build_app(
+    engine_factory, tokenizer, vocab_size: int, max_context: int, server_config, cluster: ClusterConfig
+):
+    """The Serve application (not yet running): ``engine_factory()`` builds each replica's engine;
+    ``tokenizer``, ``vocab_size`` and ``max_context`` (tokens) let the ingress tokenize prompts as
+    the replicas do; ``server_config`` is every replica's
+    :class:`~precache.server.config.ServerConfig`."""
     router = RequestRouterConfig(request_routing_stats_period_s=cluster.stats_period_s)
     if cluster.router == "affinity":
         router = RequestRouterConfig(
@@ -142,6 +146,8 @@ def build_app(engine_factory, tokenizer, vocab_size: int, server_config, cluster
         replica.bind(engine_factory, server_config, cluster.routing_block),
         tokenizer,
         vocab_size,
+        max_context,
+        getattr(server_config, "trust_client_special_tokens", False),  # a field newer than this module
         cluster.routing_block,
         cluster.attempts,
     )
@@ -225,7 +231,7 @@ def serve_from_args(args) -> int:
     tokenizer = (
         AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None
     )
-    vocab = AutoConfig.from_pretrained(folder).vocab_size
+    hf_config = AutoConfig.from_pretrained(folder)
     adapters = {name: str(Path(p).resolve()) for name, p in adapters_from_args(args).items()}
     gpus = args.num_gpus_per_replica or 0.0
     device = args.device or ("cuda" if gpus > 0 else None)
@@ -236,7 +242,9 @@ def serve_from_args(args) -> int:
         num_gpus_per_replica=gpus,
         max_ongoing_requests=args.max_num_seqs,
     )
-    app = build_app(spec, tokenizer, vocab, server_config, cluster)
+    app = build_app(
+        spec, tokenizer, hf_config.vocab_size, hf_config.max_position_embeddings, server_config, cluster
+    )
     init = {} if args.ray_address else {"num_cpus": local_cpus(cluster)}
     with ClusterServer(app, args.host, args.port, args.ray_address, **init) as server:
         logger.info(

@@ -24,7 +24,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from precache.cluster.replica import ForwardedRequest, ResponseStart
 from precache.cluster.routing import block_hashes
 from precache.server.codec import Codec
-from precache.server.errors import error_body
+from precache.server.errors import APIError, error_body
 from precache.server.responses import sse
 
 logger = logging.getLogger(__name__)
@@ -36,10 +36,18 @@ api = FastAPI(title="precache cluster")
 
 
 class _TokenizerOnly:
-    """What :class:`~precache.server.codec.Codec` reads from an engine to encode: its tokenizer."""
+    """What :class:`~precache.server.codec.Codec` reads from an engine to encode: its tokenizer and
+    context length (tokens)."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, max_context: int):
+        self.tokenizer, self.max_context = tokenizer, max_context
+
+
+def routing_codec(tokenizer, max_context: int, trust_special: bool = False) -> Codec:
+    """The server's :class:`~precache.server.codec.Codec` over ``tokenizer`` alone (``max_context``
+    in tokens; ``trust_special`` as the servers' ``trust_client_special_tokens``)."""
+    stub = _TokenizerOnly(tokenizer, max_context)
+    return Codec(stub, trust_special) if trust_special else Codec(stub)
 
 
 def prompt_ids(path: str, body: bytes, codec, vocab_size: int) -> list[int]:
@@ -53,8 +61,10 @@ def prompt_ids(path: str, body: bytes, codec, vocab_size: int) -> list[int]:
             return completion_prompt(CompletionRequest.model_validate(json.loads(body)), codec, vocab_size)
         if path == "/v1/chat/completions":
             return chat_prompt(ChatRequest.model_validate(json.loads(body)), codec)
-    except Exception:  # the replica validates again and returns the proper error
+    except (APIError, ValueError):  # a request the replica refuses (it answers with the error)
         return []
+    except Exception:  # a bug: route as a new trajectory, but say so
+        logger.warning("cannot tokenize a %s request for routing", path, exc_info=True)
     return []
 
 
@@ -103,12 +113,23 @@ async def _relay(stream, first: list[bytes], event_stream: bool) -> AsyncIterato
 class PrecacheIngress:
     """Ray Serve deployment class: ``replicas`` is the handle of the replica deployment;
     ``tokenizer`` the model's (None: token-id prompts only), ``vocab_size`` its vocabulary,
-    ``block_size`` the routing block (tokens), ``attempts`` the tries of a request whose replica
-    dies before answering."""
+    ``max_context`` its context length (tokens), ``trust_special`` the servers' setting for
+    special-token text in messages (the codec must read prompts as they do), ``block_size`` the
+    routing block (tokens), ``attempts`` the tries of a request whose replica dies before
+    answering."""
 
-    def __init__(self, replicas, tokenizer, vocab_size: int, block_size: int, attempts: int = 3):
+    def __init__(
+        self,
+        replicas,
+        tokenizer,
+        vocab_size: int,
+        max_context: int,
+        trust_special: bool,
+        block_size: int,
+        attempts: int = 3,
+    ):
         self.replicas = replicas.options(stream=True)
-        self.codec = Codec(_TokenizerOnly(tokenizer))
+        self.codec = routing_codec(tokenizer, max_context, trust_special)
         self.vocab_size, self.block_size, self.attempts = vocab_size, block_size, attempts
 
     @api.api_route("/{path:path}", methods=["GET", "POST"])
