@@ -26,13 +26,13 @@ import random
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from precache.agents import prompt
 from precache.agents.data import Question, load_questions
 from precache.agents.gold import gold_trajectory
 from precache.agents.scoring import exact_match
 from precache.agents.tools import ACTION_TYPES, normalize_title
+from precache.terminal import progress
 
 logger = logging.getLogger(__name__)
 
@@ -136,23 +136,25 @@ def run_formcheck(adapter_sets: dict[str, str | Path], limit: int = 20, seed: in
     questions = load_questions("dev")[:limit]
     records = {c: {r: [] for r in prompt.ROLES} for c in conditions}
     examples = {c: {r: [] for r in prompt.ROLES} for c in conditions}
-    for qi, question in enumerate(tqdm(questions, desc="formcheck", unit="q")):
-        pieces = gold_trajectory(question, rng, negative=qi % 2 == 1)
-        with model.disable_adapter():
-            texts = {"base": teacher_forced_continuations(model, tokenizer, pieces, prompt.ROLES)}
-        for name in adapter_sets:
-            texts[name] = {}
-            for role in prompt.ROLES:
-                model.set_adapter(f"{name}_{role}")
-                texts[name].update(teacher_forced_continuations(model, tokenizer, pieces, (role,)))
-        for condition in conditions:
-            for index, text in sorted(texts[condition].items()):
-                role = pieces[index].role
-                records[condition][role].append(
-                    _judge(role, text, pieces[index], pieces[index - 1], question)
-                )
-                if len(examples[condition][role]) < 3:
-                    examples[condition][role].append(text)
+    with progress(len(questions), "formcheck") as advance:
+        for qi, question in enumerate(questions):
+            pieces = gold_trajectory(question, rng, negative=qi % 2 == 1)
+            with model.disable_adapter():
+                texts = {"base": teacher_forced_continuations(model, tokenizer, pieces, prompt.ROLES)}
+            for name in adapter_sets:
+                texts[name] = {}
+                for role in prompt.ROLES:
+                    model.set_adapter(f"{name}_{role}")
+                    texts[name].update(teacher_forced_continuations(model, tokenizer, pieces, (role,)))
+            for condition in conditions:
+                for index, text in sorted(texts[condition].items()):
+                    role = pieces[index].role
+                    records[condition][role].append(
+                        _judge(role, text, pieces[index], pieces[index - 1], question)
+                    )
+                    if len(examples[condition][role]) < 3:
+                        examples[condition][role].append(text)
+            advance()
     return {
         name: {
             **{r: _rates({"base": records["base"][r], "adapter": records[name][r]}) for r in prompt.ROLES},

@@ -18,11 +18,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from precache.agents import prompt
 from precache.agents.data import load_questions
 from precache.agents.gold import gold_trajectories
+from precache.terminal import progress
 
 logger = logging.getLogger(__name__)
 
@@ -140,18 +140,18 @@ def train_role(base_path: Path, role: str, config: TrainConfig, out_dir: Path) -
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     batches = _batches_forever(tokenizer, role, config)
     losses: list[float] = []
-    progress = tqdm(range(config.steps), desc=f"{config.targets}/{role}", mininterval=5.0)
-    for step in progress:
-        loss = model(**_collate(next(batches), pad_id)).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        progress.set_postfix(loss=f"{losses[-1]:.3f}")
-        if step % 10 == 0 or step == config.steps - 1:
-            logger.info("%s/%s step %d loss %.4f", config.targets, role, step, losses[-1])
+    with progress(config.steps, f"{config.targets}/{role}") as advance:
+        for step in range(config.steps):
+            loss = model(**_collate(next(batches), pad_id)).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            if step % 10 == 0 or step == config.steps - 1:
+                logger.info("%s/%s step %d loss %.4f", config.targets, role, step, losses[-1])
+            advance()
     model.peft_config["default"].base_model_name_or_path = BASE_MODEL_ID
     model.save_pretrained(out_dir, save_embedding_layers=False)
     (out_dir / "README.md").unlink(missing_ok=True)  # PEFT's empty model-card template
