@@ -122,7 +122,7 @@ def recorded_conversions(tmp_path, monkeypatch):
     monkeypatch.setenv("PRECACHE_HOME", str(tmp_path / "home"))
     calls = []
 
-    def fake_convert(gguf_file, out_dir):
+    def fake_convert(gguf_file, out_dir, name=None):
         calls.append(gguf_file)
         out_dir.mkdir(parents=True)
         (out_dir / "config.json").write_text(json.dumps({"source": gguf_file.read_bytes().decode()}))
