@@ -213,17 +213,18 @@ def local_cpus(cluster: ClusterConfig) -> int:
 def serve_from_args(args) -> int:
     """``precache serve --replicas N | --ray-address ADDR``: load the tokenizer here, the engines
     in the replicas, and serve until interrupted."""
+    import signal
     import time
 
     from transformers import AutoConfig, AutoTokenizer
 
-    from precache.models.loader import resolve_checkpoint
+    from precache.models.loader import checkpoint_name, resolve_checkpoint
     from precache.server.cli import adapters_from_args
     from precache.server.config import ServerConfig
 
     folder = resolve_checkpoint(args.model)
     server_config = ServerConfig(
-        model_name=args.served_model_name or folder.name,
+        model_name=args.served_model_name or Path(checkpoint_name(folder)).name,
         max_cache_bytes=args.max_cache_bytes,
         max_running=args.max_num_seqs,
         max_step_tokens=args.max_num_batched_tokens,
@@ -258,5 +259,6 @@ def serve_from_args(args) -> int:
             while True:
                 time.sleep(3600)
         except KeyboardInterrupt:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown
             logger.info("stopping")
     return 0
