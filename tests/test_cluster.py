@@ -83,7 +83,7 @@ def test_reports_replace_holdings_sends_expire_and_dead_replicas_are_forgotten()
     table.report("r2", hashes, [hashes[-1]])
     assert table.place(hashes + [1], {"r1": 0, "r2": 3}, 4).ranks[0] == ["r2"]
     table.forget("r2")
-    assert not table.place(hashes, {"r1": 0}, 4).held
+    assert not table.place(hashes, {"r1": 0}, 4).held and table.replicas() == {"r1"}
 
 
 def test_trajectory_holdings_report_every_block_and_each_prompt_end():

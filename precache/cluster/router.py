@@ -70,10 +70,12 @@ class TrajectoryAffinityRouter(RequestRouter):
         logger.warning("replica %s died: its trajectories will be placed again", replica_id.unique_id)
 
     def update_replicas(self, replicas: list[RunningReplica]):
-        gone = set(self._in_flight) - {r.replica_id for r in replicas}
         super().update_replicas(replicas)
-        for replica_id in gone:
+        current = {r.replica_id for r in replicas}
+        for replica_id in (set(self._in_flight) | set(self._seen_stats)) - current:
             self._forget(replica_id)
+        for key in self.table.replicas() - {r.unique_id for r in current}:
+            self.table.forget(key)
 
     def _forget(self, replica_id: ReplicaID) -> None:
         self.table.forget(replica_id.unique_id)

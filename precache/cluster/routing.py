@@ -97,6 +97,10 @@ class AffinityTable:
             sent[h] = (now, sent.get(h, (now, False))[1])
         sent[hashes[-1]] = (now, True)
 
+    def replicas(self) -> set[str]:
+        """Replicas the table holds anything for."""
+        return set(self.reported) | set(self._sent)
+
     def forget(self, replica: str) -> None:
         """``replica`` is gone with its caches."""
         self.reported.pop(replica, None)
