@@ -110,5 +110,5 @@ def test_pool_evicts_idle_sessions_least_recently_used_first(tiny):
     busy = pool.acquire([20] * 6 + [1])  # the oldest one is busy again: never evicted
     pool.max_bytes = per_session * 2
     assert pool.evict() == 1
-    assert set(pool.entries) == {claims[0].entry.sid, claims[2].entry.sid} and busy.entry is claims[0].entry
+    assert set(pool.entries) == {claims[0].entry.key, claims[2].entry.key} and busy.entry is claims[0].entry
     assert pool.total_bytes() <= pool.max_bytes

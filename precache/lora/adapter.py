@@ -204,8 +204,8 @@ def load_adapter(path: str | Path, model_config: ModelConfig, name: str | None =
         AdapterError: missing or malformed file, an option we do not honour (DoRA, lora_bias on
             k_proj / v_proj, modules_to_save, LoRA on embed_tokens / lm_head, ...: :mod:`precache.lora.peft_config`),
             bias tensors, weights for modules the config does not target (or none for one it does),
-            or weights whose shapes do not fit ``model_config`` and the module's rank. The message
-            names the file and the field.
+            or weights whose shapes do not fit ``model_config`` and the module's rank, or non-finite
+            weights (NaN, inf). The message names the file and the field.
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -224,6 +224,11 @@ def load_adapter(path: str | Path, model_config: ModelConfig, name: str | None =
     width, scaling = max(ranks.values()), options.scaling()
     weights, biases = {}, {}
     for (layer, proj), tensors in sorted(pairs.items()):
+        for kind, tensor in tensors.items():  # a NaN or inf weight would poison every shared cache entry
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise AdapterError(
+                    f"{file}: layer {layer} {proj} lora_{kind} has non-finite values (NaN or inf)"
+                )
         ratio = options.scaling(projection_module(layer, proj)) / scaling
         a, b = _module_weights(tensors, layer, proj, options, model_config, file)
         weights[(layer, proj)] = (_pad_rank(a, width, dim=1), _pad_rank(_rescale(b, ratio), width, dim=0))

@@ -2,8 +2,11 @@
 ``/v1/chat/completions`` (streamed as server-sent events or not), ``/health`` and ``/metrics``.
 
 The ``model`` field chooses the adapter: the base model's name runs without one, an adapter's
-name runs that agent. Handlers validate, queue a :class:`~precache.server.jobs.Job` on the server
+name runs that agent. Handlers validate and tokenise off the event loop (a thread pool: /health
+answers while a large request is checked), queue a :class:`~precache.server.jobs.Job` on the server
 loop (:class:`~precache.server.scheduler.Scheduler`, which steps the engine) and relay its events.
+In front of the routes, :class:`~precache.server.guard.Guard` checks the API key and the body size;
+each request runs for its tenant (:mod:`precache.server.tenants`).
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from precache.engine.request import Turn
 from precache.server.codec import Codec
 from precache.server.config import ServerConfig
 from precache.server.errors import APIError, error_body, install_error_handlers
+from precache.server.guard import KEY_SCOPE, Guard
 from precache.server.jobs import ChoiceEnd, Delta, ErrorEvent, Job
 from precache.server.metrics import ServerMetrics
 from precache.server.prompts import chat_prompt, completion_prompt, echo_text
@@ -31,10 +36,12 @@ from precache.server.protocol import (
     check_prompt,
     check_room,
     check_token_ids,
+    check_unicode,
     sampling_params,
 )
 from precache.server.responses import Renderer, sse
 from precache.server.scheduler import Scheduler
+from precache.server.tenants import Tenants
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +56,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     if config.model_name in engine.adapters:
         raise ValueError(f"the base model name '{config.model_name}' is also an adapter name")
-    codec, metrics = Codec(engine), ServerMetrics()
+    codec, metrics = Codec(engine, config.trust_client_special_tokens), ServerMetrics()
     scheduler = Scheduler(engine, config, metrics)
 
     @asynccontextmanager
@@ -63,7 +70,10 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="precache", lifespan=lifespan)
     app.state.scheduler, app.state.engine, app.state.config = scheduler, engine, config
     install_error_handlers(app)
-    _add_routes(app, _Api(engine, config, codec, scheduler), metrics)
+    app.add_middleware(
+        Guard, tenants=Tenants(config.api_keys), max_body_bytes=config.max_request_bytes, metrics=metrics
+    )
+    _add_routes(app, _Api(engine, config, codec, scheduler, metrics), metrics)
     return app
 
 
@@ -85,26 +95,34 @@ def _add_routes(app: FastAPI, api: _Api, metrics: ServerMetrics) -> None:
     async def models():
         return {"object": "list", "data": api.model_cards()}
 
+    vocab = engine.model.config.vocab_size
+
+    def completion_ids(body: CompletionRequest) -> list[int]:
+        return completion_prompt(body, codec, vocab)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        agent = api.agent(body.model)
-        check_fields(body)  # the field policy before any tokenising
-        ids = completion_prompt(body, codec, engine.model.config.vocab_size)
-        return await api.generate(request, body, agent, ids, "completion", COMPLETION_DEFAULT_MAX_TOKENS)
+        job, renderer = await run_in_threadpool(
+            api.prepare, body, request.scope.get(KEY_SCOPE), completion_ids, "completion"
+        )
+        return await api.generate(request, body, job, renderer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        agent = api.agent(body.model)
-        check_fields(body)  # the field policy before rendering the template
-        ids = chat_prompt(body, codec)
-        return await api.generate(request, body, agent, ids, "chat", None)
+        job, renderer = await run_in_threadpool(
+            api.prepare, body, request.scope.get(KEY_SCOPE), lambda b: chat_prompt(b, codec), "chat"
+        )
+        return await api.generate(request, body, job, renderer)
 
 
 class _Api:
     """What the routes share: model lookup, queuing, and relaying the scheduler's events."""
 
-    def __init__(self, engine, config: ServerConfig, codec: Codec, scheduler: Scheduler):
+    def __init__(
+        self, engine, config: ServerConfig, codec: Codec, scheduler: Scheduler, metrics: ServerMetrics
+    ):
         self.engine, self.config, self.codec, self.scheduler = engine, config, codec, scheduler
+        self.metrics = metrics
         self.created = int(time.time())
 
     def model_cards(self) -> list[dict]:
@@ -126,14 +144,24 @@ class _Api:
             404, f"the model '{model}' does not exist (models: {known})", "model", "model_not_found"
         )
 
-    async def generate(self, request: Request, body, agent, ids, kind: str, default_max: int | None):
+    def prepare(self, body, key: str | None, prompt_ids, kind: str) -> tuple[Job, Renderer]:
+        """Validate ``body`` and tokenise its prompt (``prompt_ids(body)``) on a worker thread: the
+        job (for the tenant of ``key`` and ``body.cache_salt``) and its renderer.
+
+        Raises:
+            APIError: 4xx, the request is refused (nothing was queued).
+        """
+        agent = self.agent(body.model)
+        check_unicode(body.model_dump(exclude_unset=True))
+        check_fields(body)  # the field policy before any tokenising
+        ids = prompt_ids(body)
         check_prompt(ids, self.engine.max_context)
         room = self.engine.max_context - len(ids)
-        params = sampling_params(body, room if default_max is None else default_max)
+        params = sampling_params(body, COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else room)
         check_room(body, len(ids), params.max_new_tokens, self.engine.max_context)
         check_token_ids(params, self.engine.model.config.vocab_size)
-        job = Job(agent, ids, params, body.model, body.session_id, n=body.n)
-        job.bind(asyncio.get_running_loop())
+        tenant = Tenants.tenant(key, body.cache_salt)
+        job = Job(agent, ids, params, body.model, body.session_id, n=body.n, tenant=tenant)
         renderer = Renderer(
             kind,
             body.model,
@@ -144,6 +172,11 @@ class _Api:
             echo=echo_text(body, ids, self.codec),
             request_id=body.request_id,
         )
+        return job, renderer
+
+    async def generate(self, request: Request, body, job: Job, renderer: Renderer):
+        """Queue ``job`` on the server loop and answer: a stream, or the whole response."""
+        job.bind(asyncio.get_running_loop())
         self.scheduler.submit(job)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
@@ -177,6 +210,7 @@ class _Api:
                     yield sse(renderer.last_chunk(event.index, event.turn, entries))
                 else:
                     over = True
+                    self.metrics.error(event.status, event.code)
                     yield sse(error_body(event.status, event.message, None, event.code))
                     break
             else:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024**2  # 4 MiB: far more than any prompt within the context
 
 
 @dataclass(frozen=True)
@@ -15,6 +17,11 @@ class ServerConfig:
     rest wait). ``max_step_tokens``: prefill tokens per forward (chunked prefill; decode rows are
     always added). ``min_fork_tokens``: shortest shared prefix worth copying into a new session
     (see :class:`~precache.server.sessions.SessionPool`).
+
+    Security (README.md, "Security"): ``api_keys``: bearer keys a ``/v1`` request must carry (empty:
+    no authentication); each key is a tenant of its own. ``max_request_bytes``: the largest request
+    body (larger: 413). ``trust_client_special_tokens``: chat message content may spell the chat
+    template's control tokens (off: such strings stay text).
     """
 
     model_name: str = "base"
@@ -22,9 +29,14 @@ class ServerConfig:
     max_running: int = 64
     max_step_tokens: int = 512
     min_fork_tokens: int = 32
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    trust_client_special_tokens: bool = False
 
     def __post_init__(self):
         if self.max_running < 1 or self.max_step_tokens < 1 or self.min_fork_tokens < 0:
             raise ValueError(f"invalid server configuration: {self}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.max_cache_bytes is not None and self.max_cache_bytes < 0:
             raise ValueError(f"max_cache_bytes must be >= 0, got {self.max_cache_bytes}")

@@ -43,7 +43,6 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "structured_outputs": ((None,), "structured outputs (guided decoding) are not supported"),
     "logits_processors": ((None, []), "custom logits processors are not supported"),
     "priority": ((0, None), "priority scheduling is not supported (requests run in arrival order)"),
-    "cache_salt": ((None,), "cache_salt is not supported yet (the prefix cache is not salted)"),
     "kv_transfer_params": ((None,), "disaggregated serving (kv_transfer_params) is not supported"),
     "vllm_xargs": ((None,), "vllm_xargs is not supported"),
     "mm_processor_kwargs": ((None,), "multimodal inputs are not supported"),

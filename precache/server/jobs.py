@@ -62,7 +62,8 @@ class Job:
 
     ``model`` is the name the client asked for (metrics label); ``arrival`` a ``perf_counter``
     time in seconds; ``session_id`` pins a trajectory; ``n`` choices (choice 0 runs on the
-    conversation's session, the others on forks of its prompt).
+    conversation's session, the others on forks of its prompt); ``tenant``: whose cache it may reuse
+    (:mod:`precache.server.tenants`; None: the default tenant).
     """
 
     agent: str | None
@@ -71,6 +72,7 @@ class Job:
     model: str = ""
     session_id: str | None = None
     n: int = 1
+    tenant: str | None = None
     dropped: bool = False  # cancelled or failed (set on the server loop): no more choices start
     id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.perf_counter)

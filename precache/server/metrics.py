@@ -17,8 +17,9 @@ _TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 
 class ServerMetrics:
     """TTFT and latency histograms (seconds, by model name), requests per batched forward, token
-    counters, the cached-token ratio (cached prompt tokens / prompt tokens since start), and gauges
-    of cache bytes, sessions, running and waiting requests."""
+    counters, the cached-token ratio (cached prompt tokens / prompt tokens since start), error
+    responses by status and code (``precache_errors_total``), and gauges of cache bytes, sessions,
+    running and waiting requests."""
 
     def __init__(self):
         self.registry = CollectorRegistry()
@@ -64,7 +65,17 @@ class ServerMetrics:
         self.sessions = Gauge("precache_sessions", "Cached trajectories", registry=r)
         self.running = Gauge("precache_running_requests", "Requests in the batch", registry=r)
         self.waiting = Gauge("precache_waiting_requests", "Requests waiting for admission", registry=r)
+        self.errors = Counter(
+            "precache_errors",
+            "Error responses by HTTP status and OpenAI error code (errors inside a stream included)",
+            ["status", "code"],
+            registry=r,
+        )
         self._prompt = self._cached = 0
+
+    def error(self, status: int, code: str | None) -> None:
+        """Count one error response (``status``: HTTP status; ``code``: the OpenAI error code)."""
+        self.errors.labels(str(status), code or "none").inc()
 
     def finished(self, model: str, latency_s: float, prompt: int, cached: int, generated: int, outcome: str):
         """Record a finished request (token counts in tokens)."""

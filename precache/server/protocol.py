@@ -12,6 +12,7 @@ supports and refuses", lists every field.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -24,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+MAX_N = 128  # choices per request: each is a trajectory of its own
+SEED_RANGE = (-(2**63), 2**63 - 1)  # a 64-bit signed integer, as vLLM's seed field
+MAX_SALT_CHARS = 1024
 
 
 class StreamOptions(BaseModel):
@@ -62,6 +66,7 @@ class _GenerationRequest(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     request_id: str | None = None
+    cache_salt: str | None = None
     response_format: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
@@ -119,6 +124,34 @@ def _refuse(param: str, message: str, code: str = "unsupported_parameter") -> AP
     return APIError(400, f"{param}: {message}", param, code)
 
 
+def check_unicode(value: Any, path: str = "") -> None:
+    """Refuse a string anywhere in ``value`` (a request body as plain data: dicts, lists, strings)
+    that is not valid Unicode text: a lone UTF-16 surrogate (JSON ``"\\ud800"``), which no tokenizer
+    can encode.
+
+    Raises:
+        APIError: 400 ``invalid_unicode`` naming the field.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise APIError(
+                400,
+                f"{path or 'body'}: invalid Unicode (a lone surrogate at character {exc.start})",
+                path or None,
+                "invalid_unicode",
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            name = f"{path}.{key}" if path else str(key)
+            check_unicode(key, name)
+            check_unicode(item, name)
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            check_unicode(item, f"{path}.{i}")
+
+
 def check_fields(req: _GenerationRequest) -> None:
     """Apply the field policy: an unknown field or a refused one (not at its no-op value) is a
     400 naming it; an ignored one is logged.
@@ -126,6 +159,12 @@ def check_fields(req: _GenerationRequest) -> None:
     Raises:
         APIError: 400 with ``param`` = the field.
     """
+    if req.cache_salt is not None and not 0 < len(req.cache_salt) <= MAX_SALT_CHARS:
+        raise _refuse(
+            "cache_salt",
+            f"cache_salt must be a non-empty string of at most {MAX_SALT_CHARS} characters",
+            "invalid_value",
+        )
     for name, value in (req.model_extra or {}).items():
         if name in IGNORED:
             logger.debug("request field %r ignored: it cannot change the output", name)
@@ -192,8 +231,21 @@ def sampling_params(req: _GenerationRequest, default_max_tokens: int) -> Samplin
     max_tokens = default_max_tokens if max_tokens is None else max_tokens
     if max_tokens < 1:
         raise _refuse(name, f"{name} must be at least 1, got {max_tokens}", "invalid_value")
-    if req.n < 1:
-        raise _refuse("n", f"n must be at least 1, got {req.n}", "invalid_value")
+    if not 1 <= req.n <= MAX_N:
+        raise _refuse("n", f"n must be in [1, {MAX_N}], got {req.n}", "invalid_value")
+    if req.seed is not None and not SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]:
+        raise _refuse("seed", f"seed must be a 64-bit signed integer, got {req.seed}", "invalid_value")
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+    ):
+        value = getattr(req, name)
+        if value is not None and not math.isfinite(value):
+            raise _refuse(name, f"{name} must be a finite number, got {value}", "invalid_value")
     top = req.top_logprobs_asked()
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise _refuse("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "invalid_value")

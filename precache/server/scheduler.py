@@ -172,7 +172,7 @@ class Scheduler:
         pending: list[Job] = []
         for job in self._pending:
             try:
-                claim = self.pool.acquire(job.prompt_ids, job.session_id)
+                claim = self.pool.acquire(job.prompt_ids, job.session_id, job.tenant)
             except PrecacheError as exc:
                 job.emit(ErrorEvent(*error_status(exc)))
                 continue

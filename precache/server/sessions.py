@@ -7,8 +7,9 @@ two threads.
 
 from __future__ import annotations
 
+import gc
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from precache.engine.session import Session
@@ -21,13 +22,20 @@ logger = logging.getLogger(__name__)
 class PooledSession:
     """A session and its bookkeeping. ``anchor``: the prompt length of its latest request; a prompt
     that shares at least that many tokens continues the conversation (it may only rewrite the
-    latest answer), a shorter match is a branch from its history."""
+    latest answer), a shorter match is a branch from its history. ``tenant``: whose it is (None:
+    the default tenant; also the session's ``cache_salt``)."""
 
     sid: str
     session: Session
+    tenant: str | None = None
     anchor: int = 0
     busy: bool = False
     idle_bytes: int = 0  # cache bytes when last released (an idle session's caches do not change)
+
+    @property
+    def key(self) -> tuple[str | None, str]:
+        """The pool's key: ``(tenant, session id)``."""
+        return self.tenant, self.sid
 
     def nbytes(self) -> int:
         """Bytes held by the session's caches now."""
@@ -45,7 +53,11 @@ class Claim:
 
 
 class SessionPool:
-    """Sessions by id with a :class:`TokenTrie` over their trajectories.
+    """Sessions by ``(tenant, id)`` with one :class:`TokenTrie` per tenant over its trajectories.
+
+    A request sees its own tenant's sessions only: its lookup walks its tenant's trie alone, a
+    pinned ``session_id`` names a session of its tenant (another tenant's session of the same name
+    is another session), and every new or forked session carries the tenant as its ``cache_salt``.
 
     Lookup (:meth:`acquire`), for a prompt without a pinned ``session_id``:
 
@@ -64,20 +76,25 @@ class SessionPool:
 
     def __init__(self, engine, max_bytes: int | None = None, min_fork_tokens: int = 32):
         self.engine, self.max_bytes, self.min_fork_tokens = engine, max_bytes, min_fork_tokens
-        self.entries: OrderedDict[str, PooledSession] = OrderedDict()  # least recently used first
-        self.trie = TokenTrie()
+        self.entries: OrderedDict[tuple, PooledSession] = OrderedDict()  # least recently used first
+        self.tries: dict[str | None, TokenTrie] = {}
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def acquire(self, prompt_ids: list[int], session_id: str | None = None) -> Claim | None:
-        """Claim a session for ``prompt_ids`` and sync it to them; None: wait, the session is busy."""
+    def acquire(
+        self, prompt_ids: list[int], session_id: str | None = None, tenant: str | None = None
+    ) -> Claim | None:
+        """Claim a session of ``tenant`` for ``prompt_ids`` and sync it to them; None: wait, the
+        session is busy."""
         if session_id is not None:
-            entry = self.entries.get(session_id) or self._add(Session(self.engine, id=session_id))
+            entry = self.entries.get((tenant, session_id)) or self._add(
+                Session(self.engine, id=session_id, cache_salt=tenant)
+            )
             return None if entry.busy else self._claim(entry, prompt_ids, "pinned")
         fork_from: tuple[PooledSession, int] | None = None
-        for sid, common in self.trie.match(prompt_ids):
-            entry = self.entries[sid]
+        for sid, common in self.trie(tenant).match(prompt_ids):
+            entry = self.entries[(tenant, sid)]
             if common >= entry.anchor:
                 return None if entry.busy else self._claim(entry, prompt_ids, "reuse")
             if fork_from is None and not entry.busy and common >= max(1, self.min_fork_tokens):
@@ -86,22 +103,49 @@ class SessionPool:
             parent, common = fork_from
             child = self._add(parent.session.fork(common))
             return self._claim(child, prompt_ids, "fork")
-        return self._claim(self._add(self.engine.session()), prompt_ids, "new")
+        return self._claim(self._add(self.engine.session(cache_salt=tenant)), prompt_ids, "new")
+
+    def trie(self, tenant: str | None) -> TokenTrie:
+        """The trie over ``tenant``'s sessions (empty for a tenant never seen)."""
+        return self.tries.get(tenant) or self.tries.setdefault(tenant, TokenTrie())
 
     def release(self, entry: PooledSession) -> None:
         """The request on ``entry`` is over: index its whole trajectory and make it reusable."""
         entry.busy = False
         entry.idle_bytes = entry.session.cache_bytes()["total"]
-        if entry.sid in self.entries:
-            self.trie.set(entry.sid, entry.session.token_ids)
-            self.entries.move_to_end(entry.sid)
+        if entry.key in self.entries:
+            self.trie(entry.tenant).set(entry.sid, entry.session.token_ids)
+            self.entries.move_to_end(entry.key)
 
     def discard(self, entry: PooledSession) -> None:
         """Forget ``entry`` and give its cache blocks back to the pool."""
-        self.entries.pop(entry.sid, None)
-        self.trie.remove(entry.sid)
+        self.entries.pop(entry.key, None)
+        trie = self.trie(entry.tenant)
+        trie.remove(entry.sid)
+        if not len(trie):
+            del self.tries[entry.tenant]
         if entry.session.active is None:
             entry.session.close()
+
+    def check(self) -> int:
+        """The integrity check of every cached session and of the block pool: each session's
+        :meth:`Session.check`, the allocator's rules, and its reference counts equal to the tables
+        of the sessions (call when no request runs). Returns the number of sessions.
+
+        Raises:
+            CacheIntegrityError: an invariant does not hold.
+        """
+        gc.collect()  # sessions dropped mid-turn give their blocks back when collected
+        holders: Counter[int] = Counter()
+        for entry in self.entries.values():
+            entry.session.check()
+            state = entry.session.state
+            for store in {
+                id(s): s for s in (state.base, state.turn, *state.full.values()) if s is not None
+            }.values():
+                holders.update(store.blocks)
+        self.engine.pool.allocator.check(dict(holders))
+        return len(self.entries)
 
     def total_bytes(self) -> int:
         """Bytes held by every session's caches."""
@@ -111,13 +155,13 @@ class SessionPool:
         """Drop idle sessions, least recently used first, until the budget holds; return how many."""
         if self.max_bytes is None:
             return 0
-        sizes = {sid: e.nbytes() for sid, e in self.entries.items()}
+        sizes = {key: e.nbytes() for key, e in self.entries.items()}
         total, dropped = sum(sizes.values()), 0
-        for sid in [sid for sid, e in self.entries.items() if not e.busy]:
+        for key in [key for key, e in self.entries.items() if not e.busy]:
             if total <= self.max_bytes:
                 break
-            self.discard(self.entries[sid])
-            total -= sizes[sid]
+            self.discard(self.entries[key])
+            total -= sizes[key]
             dropped += 1
         if dropped:
             logger.debug("evicted %d idle sessions; %d cache bytes held", dropped, total)
@@ -126,16 +170,16 @@ class SessionPool:
     def drop_idle(self) -> bool:
         """Drop the least recently used idle session (its cache blocks go back to the engine's pool);
         False when every session is busy."""
-        for sid, entry in self.entries.items():
+        for entry in self.entries.values():
             if not entry.busy:
                 self.discard(entry)
-                logger.debug("dropped idle session %s to free cache blocks", sid)
+                logger.debug("dropped idle session %s to free cache blocks", entry.sid)
                 return True
         return False
 
     def _add(self, session: Session) -> PooledSession:
-        entry = PooledSession(session.id, session)
-        self.entries[session.id] = entry
+        entry = PooledSession(session.id, session, session.cache_salt)
+        self.entries[entry.key] = entry
         return entry
 
     def _claim(self, entry: PooledSession, prompt_ids: list[int], how: str) -> Claim:
@@ -147,7 +191,7 @@ class SessionPool:
                 self.discard(entry)
             raise
         entry.busy = True
-        self.entries.move_to_end(entry.sid)
+        self.entries.move_to_end(entry.key)
         entry.anchor = len(prompt_ids)
-        self.trie.set(entry.sid, prompt_ids)
+        self.trie(entry.tenant).set(entry.sid, prompt_ids)
         return Claim(entry, how, common)
