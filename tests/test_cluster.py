@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -69,6 +70,8 @@ def test_overloaded_replicas_shed_new_trajectories_first():
     new = block_hashes(list(range(50, 70)), BLOCK)
     assert table.place(new, {"r1": 4, "r2": 2}, new_limit=4).ranks == [["r2"]]
     assert table.place(new, {"r1": 4, "r2": 4}, new_limit=4).ranks == []  # it waits in the router
+    # requests that start no trajectory (/health, /v1/models) have no limit: least loaded first
+    assert table.place((), {"r1": 9, "r2": 7}, new_limit=math.inf).ranks == [["r2", "r1"]]
 
 
 def test_reports_replace_holdings_sends_expire_and_dead_replicas_are_forgotten():

@@ -16,6 +16,7 @@ forgotten with its caches: its trajectories' next turns are placed as new ones.
 from __future__ import annotations
 
 import logging
+import math
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -46,17 +47,20 @@ class TrajectoryAffinityRouter(RequestRouter):
         by_key = {r.replica_id.unique_id: r for r in candidate_replicas}
         for r in candidate_replicas:
             self._refresh(r)
-        hashes = _hashes(pending_request)
+        forwarded = _forwarded(pending_request)
+        hashes = forwarded.hashes if forwarded is not None else ()
         loads = {key: self._load(r) for key, r in by_key.items()}
-        placement = self.table.place(hashes, loads, self.new_limit)
+        # only generation requests start trajectories; /health or /v1/models never wait for room
+        generation = forwarded is not None and forwarded.method == "POST"
+        placement = self.table.place(hashes, loads, self.new_limit if generation else math.inf)
         if pending_request is not None:
             # no rank now: back off before asking again (Ray re-asks at once otherwise)
             pending_request.routing_context.should_backoff = True
         return [[by_key[key] for key in rank] for rank in placement.ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        hashes = _hashes(pending_request)
-        self.table.record(replica_id.unique_id, hashes)
+        forwarded = _forwarded(pending_request)
+        self.table.record(replica_id.unique_id, forwarded.hashes if forwarded is not None else ())
         self._in_flight[replica_id] = self._in_flight.get(replica_id, 0) + 1
         self._routed[pending_request.metadata.internal_request_id] = replica_id
 
@@ -96,10 +100,8 @@ class TrajectoryAffinityRouter(RequestRouter):
         return max(self._in_flight.get(replica.replica_id, 0), cached or 0)
 
 
-def _hashes(pending_request: PendingRequest | None) -> tuple[int, ...]:
-    if pending_request is None:
-        return ()
-    for arg in pending_request.args:
+def _forwarded(pending_request: PendingRequest | None) -> ForwardedRequest | None:
+    for arg in pending_request.args if pending_request is not None else ():
         if isinstance(arg, ForwardedRequest):
-            return arg.hashes
-    return ()
+            return arg
+    return None

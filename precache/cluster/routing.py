@@ -128,7 +128,7 @@ class AffinityTable:
             anchored = anchored or h in held.anchors
         return n, anchored
 
-    def place(self, hashes: Sequence[int], loads: dict[str, int], new_limit: int) -> Placement:
+    def place(self, hashes: Sequence[int], loads: dict[str, int], new_limit: float) -> Placement:
         """Ranks of the replicas in ``loads`` (replica -> requests in flight) for a prompt with block
         ``hashes``; see the class docstring."""
         matches = {r: self.match(r, hashes) for r in loads}
