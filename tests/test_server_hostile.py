@@ -339,3 +339,36 @@ def _save_tiny_checkpoint(tiny, folder):
 
     tiny_hf_model("llama", seed=0, num_layers=3).save_pretrained(folder)
     char_tokenizer().save_pretrained(folder)
+
+
+def test_shutdown_drains_for_the_timeout_then_cancels_running_streams(tiny):
+    """A stream far longer than the drain timeout: stopping the server ends it early, the server
+    thread exits and the scheduler stops (no request keeps the process alive)."""
+    from precache.server import LiveServer, ServerConfig, create_app
+
+    engine = tiny_engine(tiny, "prelrshared")
+    step = engine.step
+    engine.step = lambda: (threading.Event().wait(0.02), step())[1]  # about 5 s for the 240 tokens
+    app = create_app(engine, ServerConfig(model_name=BASE))
+    server = LiveServer(app, shutdown_timeout_s=0.3).start()
+    body = {**OK, "prompt": [3, 4, 5], "max_tokens": 240, "ignore_eos": True, "stream": True}
+    chunks, first = [], threading.Event()
+
+    def read():
+        try:
+            with httpx.stream("POST", server.url + "/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    chunks.append(line)
+                    first.set()
+        except httpx.HTTPError:
+            pass  # the connection closed under the stream
+        first.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert first.wait(60)
+    server.stop()
+    reader.join(60)
+    assert not server._thread.is_alive() and not app.state.scheduler.alive
+    tokens = sum(1 for c in chunks if c.startswith("data: {"))
+    assert 0 < tokens < 240 and "data: [DONE]" not in chunks

@@ -10,14 +10,30 @@ import uvicorn
 
 class LiveServer:
     """``with LiveServer(app) as server: server.url`` serves ``app`` with uvicorn on ``host``
-    (loopback by default) and a free port (``port=0``), and stops it on exit.
+    (loopback by default) and a free port (``port=0``), and stops it on exit. On :meth:`stop`,
+    running requests get ``shutdown_timeout_s`` seconds to finish (None: as long as they take), then
+    they are cancelled (``precache serve --shutdown-timeout``).
 
     Raises:
         RuntimeError: the server did not start within ``start_timeout_s`` seconds.
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, start_timeout_s: float = 30.0):
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+    def __init__(
+        self,
+        app,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        start_timeout_s: float = 30.0,
+        shutdown_timeout_s: float | None = None,
+    ):
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            lifespan="on",
+            timeout_graceful_shutdown=shutdown_timeout_s,
+        )
         self.app, self.server = app, uvicorn.Server(config)
         self.host, self.port, self.timeout_s = host, port, start_timeout_s
         self._thread: threading.Thread | None = None
