@@ -323,6 +323,7 @@ def test_serve_refuses_bad_adapters_and_keys_with_one_line(tiny, tmp_path, capsy
             "named like the base model",
         ),
         (["--api-keys", str(tmp_path / "missing.txt")], "--api-keys"),
+        (["--replicas", "2", "--api-key", "k"], "--api-key: not supported with --replicas"),
     ]
     hf_dir = tmp_path / "hf"
     _save_tiny_checkpoint(tiny, hf_dir)

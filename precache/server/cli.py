@@ -131,6 +131,7 @@ def _serve(args: argparse.Namespace) -> int:
     from precache.cluster import cluster_requested
 
     if cluster_requested(args):  # --replicas / --ray-address: replicas on Ray Serve
+        _refuse_single_process_flags(args)
         from precache.cluster.app import serve_from_args
 
         return serve_from_args(args)
@@ -184,6 +185,25 @@ def _serve(args: argparse.Namespace) -> int:
         )
     ).run(sockets=[sock])
     return 0
+
+
+def _refuse_single_process_flags(args: argparse.Namespace) -> None:
+    """The security flags the Ray Serve ingress does not apply yet: refused, never dropped."""
+    given = [
+        flag
+        for flag, on in (
+            ("--api-key", bool(getattr(args, "api_key", None))),
+            ("--api-keys", bool(getattr(args, "api_keys", None))),
+            ("--trust-client-special-tokens", getattr(args, "trust_client_special_tokens", False)),
+            (
+                "--max-request-bytes",
+                getattr(args, "max_request_bytes", None) not in (None, DEFAULT_MAX_REQUEST_BYTES),
+            ),
+        )
+        if on
+    ]
+    if given:
+        raise PrecacheError(f"{', '.join(given)}: not supported with --replicas / --ray-address yet")
 
 
 def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:
