@@ -226,10 +226,25 @@ def machine(device: str) -> dict:
     return info
 
 
-def run(out: Path, dry_run: bool, device: str, budget_s: float) -> dict:
-    """All three parts; writes ``gpu.json``, ``gpu.md`` and ``gpu.png`` under ``out``."""
-    from precache.bench.gpu_kernel import kernel_vs_sdpa
+def _guarded(result: dict, where: dict, name: str, fn, out: Path, t_start: float) -> None:
+    """``where[name] = fn()``; an exception is recorded there (``{"error": ...}``, traceback logged)
+    instead of ending the run, and the report is rewritten after every part (a run cut short still
+    leaves what it measured)."""
     from precache.bench.gpu_report import write_report
+
+    try:
+        where[name] = fn()
+    except Exception as exc:  # one GPU attempt: keep the other parts' numbers
+        logger.exception("part %s failed", name)
+        where[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    result["seconds"] = time.perf_counter() - t_start
+    write_report(result, out)
+
+
+def run(out: Path, dry_run: bool, device: str, budget_s: float) -> dict:
+    """All three parts; writes ``gpu.json``, ``gpu.md`` and ``gpu.png`` under ``out`` after each.
+    A part that raises is recorded as ``{"error": ...}`` and the next one runs."""
+    from precache.bench.gpu_kernel import kernel_vs_sdpa
 
     t_start = time.perf_counter()
 
@@ -247,8 +262,11 @@ def run(out: Path, dry_run: bool, device: str, budget_s: float) -> dict:
         "dry_run": dry_run,
         "machine": machine(device),
         "model": "Llama-3.1-8B-shaped, random" if not dry_run else "tiny random Llama",
+        "kernel": {"skipped": "not run yet"},
+        "trace": {},
+        "load": {"skipped": "not run yet"},
     }
-    result["kernel"] = kernel_vs_sdpa(model, dry_run)
+    _guarded(result, result, "kernel", lambda: kernel_vs_sdpa(model, dry_run), out, t_start)
     logger.info("kernel part done after %.0f s", budget_s - seconds_left())
     sets = {
         "qv": ("q_proj", "v_proj"),
@@ -258,16 +276,15 @@ def run(out: Path, dry_run: bool, device: str, budget_s: float) -> dict:
         name: save_adapters(model, out / "adapters" / name, t, seed=i)
         for i, (name, t) in enumerate(sets.items())
     }
-    result["trace"] = {}
     for name in sets:
         if name != "qv" and (dry_run or seconds_left() < 0.5 * budget_s):
             result["trace"][name] = {"skipped": "dry run" if dry_run else "time budget"}
             continue
-        result["trace"][name] = trace_part(model, hf, adapters[name], trace)
+        run_trace = lambda name=name: trace_part(model, hf, adapters[name], trace)  # noqa: E731
+        _guarded(result, result["trace"], name, run_trace, out, t_start)
     levels = (2, 3) if dry_run else (32, 128)
-    result["load"] = load_part(model, adapters["qv"], levels, load_trace_, seconds_left)
-    result["seconds"] = time.perf_counter() - t_start
-    write_report(result, out)
+    run_load = lambda: load_part(model, adapters["qv"], levels, load_trace_, seconds_left)  # noqa: E731
+    _guarded(result, result, "load", run_load, out, t_start)
     return result
 
 
@@ -286,7 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     result = run(out, args.dry_run, device, args.budget_s)
     logger.info("done in %.0f s: %s", result["seconds"], out / "gpu.md")
-    return 0
+    failed = [k for k in ("kernel", "load") if "error" in result[k]]
+    failed += [f"trace {k}" for k, v in result["trace"].items() if "error" in v]
+    if failed:
+        logger.error("parts that failed (recorded in gpu.json): %s", ", ".join(failed))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

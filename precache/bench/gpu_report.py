@@ -13,7 +13,14 @@ def _yes(flag: bool) -> str:
     return "met" if flag else "NOT met"
 
 
+def _not_measured(part: dict) -> list[str]:
+    """A part that did not run: its error, or why it was skipped."""
+    return [f"Not measured: {part.get('error') or part.get('skipped')}.", ""]
+
+
 def _kernel_md(kernel: dict) -> list[str]:
+    if "cases" not in kernel:
+        return ["## 1. Triton kernel vs SDPA (same lengths)", "", *_not_measured(kernel)]
     lines = [
         "## 1. Triton kernel vs SDPA (same lengths)",
         "",
@@ -37,7 +44,7 @@ def _trace_md(traces: dict) -> list[str]:
         lines.append(f"### adapters: {name}")
         lines.append("")
         if "methods" not in result:
-            lines += [f"Skipped: {result.get('skipped')}.", ""]
+            lines += _not_measured(result)
             continue
         t = result["ttft_target"]
         lines += [
@@ -52,6 +59,8 @@ def _trace_md(traces: dict) -> list[str]:
 
 
 def _load_md(load: dict) -> list[str]:
+    if "levels" not in load:
+        return ["## 3. Concurrent trajectories", "", *_not_measured(load)]
     lines = [
         f"## 3. Concurrent trajectories (trace `{load['trace']}`, {load['trace_tokens']} tokens each)",
         "",
@@ -91,10 +100,10 @@ def plot(result: dict, path: Path) -> None:
     from precache.bench.plots import plt, save_figure
 
     fig, (ax_k, ax_t, ax_l) = plt.subplots(1, 3, figsize=(17, 4.5))
-    cases = result["kernel"]["cases"]
+    cases = result["kernel"].get("cases", [])
     labels = [f"{c['kind'][0]}{c['queries']}/{c['keys']}x{c['batch']} {c['lr']}" for c in cases]
     ax_k.bar(range(len(cases)), [c["ratio"] for c in cases])
-    ax_k.axhline(result["kernel"]["target_ratio"], color="red", linestyle="--", label="target")
+    ax_k.axhline(result["kernel"].get("target_ratio", 1.15), color="red", linestyle="--", label="target")
     ax_k.set_xticks(range(len(cases)), labels, rotation=90, fontsize=6)
     ax_k.set(ylabel="kernel time / SDPA time", title="Triton kernel vs SDPA")
     ax_k.legend(fontsize=8)
@@ -104,9 +113,10 @@ def plot(result: dict, path: Path) -> None:
             ax_t.plot([t * 1e3 for t in entry["turns"]["ttft_s"]], marker="o", markersize=3, label=name)
         ax_t.set(xlabel="turn", ylabel="TTFT (ms)", yscale="log", title=f"TTFT per turn, {trace['trace']}")
         ax_t.legend(fontsize=7)
-    for method in next(iter(result["load"]["levels"].values()), {}):
-        levels = [lv for lv, r in result["load"]["levels"].items() if method in r]
-        values = [result["load"]["levels"][lv][method]["throughput_tok_s"] for lv in levels]
+    by_level = result["load"].get("levels", {})
+    for method in next(iter(by_level.values()), {}):
+        levels = [lv for lv, r in by_level.items() if method in r]
+        values = [by_level[lv][method]["throughput_tok_s"] for lv in levels]
         ax_l.plot([int(lv) for lv in levels], values, marker="o", label=method)
     ax_l.set(xlabel="concurrent trajectories", ylabel="tokens/s", title="throughput under load")
     ax_l.legend(fontsize=7)
