@@ -124,18 +124,24 @@ class TritonBackend(AttentionBackend):
 
     # -- per forward -----------------------------------------------------------------------------
     def _refusal(self, q: torch.Tensor, meta: BatchMetadata) -> str | None:
-        pools = {id(read.pool) for row in meta.rows for read in row.reads}
-        if len(pools) > 1:
-            return "the rows read several pools"
-        if len({getattr(row, "window", None) for row in meta.rows}) > 1:
-            return "rows have different sliding windows"
-        for row in meta.rows:
-            lr = {(id(r.adapter), str(r.lr_cols)) for r in row.reads if r.lr_cols is not None}
-            if len(lr) > 1:
-                return "a row reads the LR caches of two adapters"
-        pool = meta.rows[0].reads[0].pool if meta.rows and meta.rows[0].reads else None
-        if pool is not None and pool.k.dtype != q.dtype:
+        """Why the kernel cannot run this forward (None: it can). One pass over the reads."""
+        pool = meta.rows[0].reads[0].pool
+        if pool.k.dtype != q.dtype:
             return f"queries are {q.dtype} but the pool holds {pool.k.dtype}"
+        window = getattr(meta.rows[0], "window", None)
+        for row in meta.rows:
+            if getattr(row, "window", None) != window:
+                return "rows have different sliding windows"
+            first = None
+            for read in row.reads:
+                if read.pool is not pool:
+                    return "the rows read several pools"
+                if read.lr_cols is None:
+                    continue
+                if first is None:
+                    first = read
+                elif read.adapter is not first.adapter or read.lr_cols != first.lr_cols:
+                    return "a row reads the LR caches of two adapters"
         return None
 
     def _adapter_stack(self, adapters: list, model, r_pad: int) -> tuple[torch.Tensor, ...]:
