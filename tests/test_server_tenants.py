@@ -16,6 +16,7 @@ import openai
 import pytest
 
 import precache
+from precache.cache.prefix import PrefixChain
 from precache.engine.session import common_prefix
 from precache.methods import METHODS
 from tests.test_server_support import BASE, check_all_sessions, live, tiny_engine, tiny_with_tokenizer
@@ -224,3 +225,24 @@ def test_32_concurrent_conversations_over_3_tenants_no_5xx_no_cross_tenant_hit(t
         bound = max((common_prefix(prompt, t) for t in own), default=0)
         assert cached <= min(bound, len(prompt) - 1), (tenant, cached, bound)
     assert any(e[5] >= len(SYSTEM) - len(SYSTEM) % 16 for e in log)  # the tenants did share inside
+
+
+@pytest.mark.parametrize("method", ["fullshared", "prelrshared", "rebaseshared-lp"])
+def test_engine_prefix_blocks_are_reused_only_under_the_same_salt(tiny, method):
+    """The engine alone: a session reuses blocks another session published for the same tokens
+    only when both have the same ``cache_salt``; the chains of two salts share no hash."""
+    engine = tiny_engine(tiny, method)
+    prompt = [*SYSTEM, 11, 12]
+    first = engine.session(cache_salt="a")
+    first.append(prompt)
+    first.generate(agent="plan", max_new_tokens=2, temperature=0.0)
+    cached = {}
+    for salt in ("b", None, "a"):
+        s = engine.session(cache_salt=salt)
+        s.append(prompt)
+        cached[salt] = s.generate(agent="action", max_new_tokens=2, temperature=0.0).cached_tokens
+    assert cached == {"b": 0, None: 0, "a": len(SYSTEM) - len(SYSTEM) % 16}
+    chains = {salt: PrefixChain("base", salt=salt).extend(prompt, 2, 16) for salt in ("a", "b", None)}
+    assert len({h for c in chains.values() for h in c}) == 6
+    assert chains["a"] == PrefixChain("base", salt="a").extend(prompt, 2, 16)
+    engine.pool.allocator.check()
