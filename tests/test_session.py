@@ -19,6 +19,12 @@ EXPECTED_PREFILL = {
     "prelrshared": [12, 6, 5, 4, 1],
     "rebaseshared-lp": [12, 6, 5, 4, 1],
     "rebaseshared-db": [24, 12, 10, 8, 2],  # the neutral row rides in the same forward
+    # new tokens + ceil(recomputed token-layers / 3) over t0 = 15, 23, 30, 36 reused tokens:
+    # CacheBlend 2 t0 + ceil(0.15 t0); RelayCaching (layers 1..1) and DroidSpeak (the tiny
+    # adapters' profile picks layer 0..0) t0 (last + 1)
+    "cacheblend": [12, 6 + 11, 5 + 17, 4 + 22, 1 + 26],
+    "relaycaching": [12, 6 + 10, 5 + 16, 4 + 20, 1 + 24],
+    "droidspeak": [12, 6 + 5, 5 + 8, 4 + 10, 1 + 12],
 }
 
 

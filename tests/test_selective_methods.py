@@ -1,0 +1,323 @@
+"""The selective-recomputation baselines (CacheBlend, DroidSpeak, RelayCaching) against a dense
+brute-force reference of each rule, on a tiny random model with random LoRA on q, k, v and o:
+each turn's logits and tokens, rho = 1 / every layer = NonShared, the prefill cost equal to the
+token-layers the forward ran, concurrency, the recompute hook's refusals and the stored profile."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from precache.cache.plan import Recompute
+from precache.engine.scheduler import Scheduler
+from precache.methods import SELECTIVE_METHODS, make_method
+from precache.methods.cacheblend import CacheBlend
+from precache.methods.droidspeak import DroidSpeak, profile, read_profile, save_profile
+from precache.methods.relaycaching import RelayCaching
+from precache.models import Row
+from tests.reference import reference_run
+from tests.tiny import SCRIPT, make_engine, run_script
+
+TOL = 1e-4
+AGENT_TURNS = [x for x in SCRIPT if x[0] != "append"]
+
+
+def engine_with(model, dirs, cls, **options):
+    """An engine whose sharing method is ``cls(**options)`` (the registry builds defaults only)."""
+    engine = make_engine(model, dirs, "fullshared", block_size=4)
+    engine.method = cls(model, engine.adapters, block_size=4, **options)
+    engine.pool = engine.method.pool
+    engine.scheduler = Scheduler(engine._forward, pool=engine.pool)
+    return engine
+
+
+def schedule_of(method):
+    """``(select_layer, kept(n), fresh(layer, selected, n) -> bool [n])``: which reused tokens get
+    the agent's own K/V at each layer, restated from each module's docstring."""
+    L = method.model.config.num_layers
+    everything, nothing = (
+        (lambda n: torch.ones(n, dtype=torch.bool)),
+        (lambda n: torch.zeros(n, dtype=torch.bool)),
+    )
+    if isinstance(method, CacheBlend):
+        c = method.check_layer
+        return (
+            c,
+            lambda n: math.ceil(method.rho * n),
+            lambda layer, sel, n: everything(n) if layer <= c else sel,
+        )
+    if isinstance(method, DroidSpeak):
+        a, b = method.layers
+        return None, None, lambda layer, sel, n: everything(n) if a <= layer <= b else nothing(n)
+    a, b = method.layers
+    assert isinstance(method, RelayCaching) and b < L
+
+    def fresh(layer, sel, n):
+        if layer == a:
+            return everything(n)
+        return sel if a < layer <= b else nothing(n)
+
+    return (a if a < b else None), lambda n: math.ceil(method.rho * n), fresh
+
+
+class BlendReference:
+    """Dense brute force of a recompute rule over reused tokens ``[0, n)``: every layer computes
+    the agent's K/V for all of them, takes its own where the rule says so and the reused entries
+    elsewhere, and attends (causal, explicit softmax) over that blend. ``blend[l]`` = (K, V)."""
+
+    def __init__(self, method, adapter, reused):
+        self.adapter, self.reused = adapter, reused
+        self.select_layer, self.kept, self.fresh = schedule_of(method)
+        self.selected, self.blend = None, []
+
+    def attend(self, x):
+        k, v = x.adapted_kv(slice(None), self.adapter)
+        rk, rv = self.reused[x.layer]
+        n = k.shape[0]
+        if x.layer == self.select_layer:
+            dev = (k - rk).pow(2).flatten(1).sum(1) + (v - rv).pow(2).flatten(1).sum(1)
+            self.selected = torch.zeros(n, dtype=torch.bool)
+            self.selected[torch.topk(dev, self.kept(n)).indices] = True
+        own = self.fresh(x.layer, self.selected, n)[:, None, None]
+        k, v = torch.where(own, k, rk), torch.where(own, v, rv)
+        self.blend.append((k, v))
+        G = x.q.shape[1] // k.shape[1]
+        kk, vv = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+        scores = torch.einsum("thd,nhd->htn", x.q, kk) / math.sqrt(x.q.shape[2])
+        mask = torch.arange(n)[None, :] <= torch.arange(n)[:, None]
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        return torch.einsum("htn,nhd->thd", probs, vv).reshape(n, -1)
+
+
+def blended_view(method, adapter, token_ids, reused):
+    ref = BlendReference(method, adapter, reused)
+    n = len(token_ids)
+    method.model.forward(
+        torch.tensor(token_ids), torch.arange(n), [Row(0, n, adapter)], ref, logits_at=[n - 1]
+    )
+    return ref.blend
+
+
+def check_against_reference(s, agent):
+    """Before the turn: the shared cache's entries; after it: the turn's logits and tokens equal a
+    dense forward over the reference blend of the reused tokens."""
+    m, st = s.method, s.state
+    t0, n_before = m.prefill_start(st, agent), len(s.token_ids)
+    shared = st.full["shared"]
+    reused = [tuple(t.clone() for t in shared.kv(layer, 0, t0)) for layer in range(m.model.config.num_layers)]
+    trajectory = list(s.token_ids[:t0])
+
+    def after(turn):
+        adapter = m.adapters[agent]
+        prefix = (
+            blended_view(m, adapter, trajectory, reused) if t0 else [(r[0][:0], r[1][:0]) for r in reused]
+        )
+        processed = s.token_ids[t0 : n_before + len(turn.token_ids) - 1]
+        logits, _ = reference_run(m.model, processed, t0, adapter, prefix)
+        first = n_before - t0 - 1
+        assert (turn.first_logits - logits[first]).abs().max() <= TOL
+        assert logits[first:].argmax(-1).tolist() == turn.token_ids[: len(processed) - first]
+        after.checked = True
+
+    return after
+
+
+VARIANTS = [
+    (CacheBlend, {}),
+    (CacheBlend, {"rho": 0.3, "check_layer": 0}),
+    (DroidSpeak, {"layers": (1, 1)}),
+    (DroidSpeak, {"layers": (0, 1)}),
+    (RelayCaching, {}),
+    (RelayCaching, {"rho": 0.4, "layers": (0, 1)}),
+]
+
+
+@pytest.mark.parametrize(("cls", "options"), VARIANTS)
+def test_each_turn_matches_the_dense_reference_of_its_rule(tiny, cls, options):
+    model, dirs, _ = tiny
+    engine = engine_with(model, dirs, cls, **options)
+    calls = []
+
+    def on_turn(s, agent):
+        after = check_against_reference(s, agent)
+        calls.append(after)
+        return after
+
+    _, turns = run_script(engine, on_turn=on_turn)
+    assert len(turns) == len(AGENT_TURNS) and all(getattr(a, "checked", False) for a in calls)
+
+
+def test_selection_differs_from_full_reuse_and_from_full_recompute(tiny):
+    """The rule does something: CacheBlend's turns lie strictly between FullShared and NonShared."""
+    model, dirs, _ = tiny
+    _, ref = run_script(make_engine(model, dirs, "nonshared"))
+    _, full = run_script(make_engine(model, dirs, "fullshared"))
+    _, blend = run_script(engine_with(model, dirs, CacheBlend, rho=0.3, check_layer=0))
+    for r, f, b in zip(ref[1:], full[1:], blend[1:], strict=True):
+        to_full = (b.first_logits - f.first_logits).abs().max()
+        to_ref = (b.first_logits - r.first_logits).abs().max()
+        assert to_full > 1e-3 and to_ref > 1e-3
+
+
+ALL_LAYERS = [
+    (CacheBlend, {"rho": 1.0}),
+    (CacheBlend, {"rho": 1.0, "check_layer": 0}),
+    (DroidSpeak, {"layers": (0, 2)}),
+    (RelayCaching, {"rho": 1.0, "layers": (0, 2)}),
+]
+
+
+@pytest.mark.parametrize(("cls", "options"), ALL_LAYERS)
+def test_recomputing_everything_equals_nonshared(tiny, cls, options):
+    """rho = 100% / every layer: each turn is the agent's own full recompute (NonShared's logits)."""
+    model, dirs, _ = tiny
+    _, ref = run_script(make_engine(model, dirs, "nonshared"))
+    _, got = run_script(engine_with(model, dirs, cls, **options))
+    for r, g in zip(ref, got, strict=True):
+        assert g.token_ids == r.token_ids
+        assert (g.first_logits - r.first_logits).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("method", SELECTIVE_METHODS)
+def test_zero_lora_b_equals_nonshared_at_the_defaults(tiny, method):
+    model, _, zero = tiny
+    _, ref = run_script(make_engine(model, zero, "nonshared"))
+    _, got = run_script(make_engine(model, zero, method))
+    for r, g in zip(ref, got, strict=True):
+        assert g.token_ids == r.token_ids
+        assert (g.first_logits - r.first_logits).abs().max() <= TOL
+
+
+class LayerCounter:
+    """Counts the token-layers the model runs (tokens entering each layer's MLP)."""
+
+    def __init__(self, model, monkeypatch):
+        self.total = 0
+        original = model._mlp
+
+        def counted(x, i, rows):
+            self.total += x.shape[0]
+            return original(x, i, rows)
+
+        monkeypatch.setattr(model, "_mlp", counted)
+
+
+@pytest.mark.parametrize(("cls", "options"), VARIANTS + ALL_LAYERS)
+def test_prefill_tokens_count_the_token_layers_the_forward_ran(tiny, monkeypatch, cls, options):
+    """A turn's ``prefill_tokens`` = new tokens + ceil(recomputed token-layers / L), where the
+    token-layers are counted in the model itself; the recompute runs in the turn's TTFT."""
+    model, dirs, _ = tiny
+    L = model.config.num_layers
+    engine = engine_with(model, dirs, cls, **options)
+    counter = LayerCounter(model, monkeypatch)
+    s = engine.session()
+    s.append(list(range(1, 15)))
+    first = s.generate(agent="plan", max_new_tokens=3, temperature=0.0)
+    s.append(list(range(20, 26)))
+    before, t0, n = counter.total, s.method.prefill_start(s.state, "action"), len(s.token_ids)
+    turn = s.generate(agent="action", max_new_tokens=1, temperature=0.0)  # one forward: the prefill
+    ran = counter.total - before
+    new = n - t0
+    assert first.prefill_tokens == 14 and t0 == 16 and new == 7
+    assert ran > new * L  # the recompute ran inside the turn
+    assert turn.prefill_tokens == new + math.ceil((ran - new * L) / L)
+    assert turn.cached_tokens == t0
+
+
+@pytest.mark.parametrize("method", SELECTIVE_METHODS)
+def test_concurrent_sessions_equal_sequential_ones(tiny, method):
+    """Three 3-agent trajectories batched by Engine.run_concurrently give the sequential logits."""
+    model, dirs, _ = tiny
+    engine = make_engine(model, dirs, method)
+
+    def trajectory(seed):
+        s = engine.session()
+        gen = torch.Generator().manual_seed(seed)
+        out = []
+        for agent, n_append, n_new in [("plan", 11, 3), ("action", 5, 3), ("reflect", 4, 2), ("plan", 3, 2)]:
+            s.append(torch.randint(0, 90, (n_append,), generator=gen).tolist())
+            t = s.generate(agent=agent, max_new_tokens=n_new, temperature=0.0)
+            out.append((t.token_ids, t.first_logits))
+        return out
+
+    alone = [trajectory(seed) for seed in (1, 2, 3)]
+    batched = engine.run_concurrently(trajectory, (1, 2, 3), concurrency=3)
+    for a, b in zip(alone, batched, strict=True):
+        for (ids_a, logits_a), (ids_b, logits_b) in zip(a, b, strict=True):
+            assert ids_a == ids_b and (logits_a - logits_b).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("method", SELECTIVE_METHODS)
+def test_a_turn_never_rewrites_the_shared_cache(tiny, method):
+    """Recomputed entries land in the agent's view only: a turn leaves the shared cache's entries
+    of the tokens before it as they were (each from its author), and drops the view at its end."""
+    model, dirs, _ = tiny
+    checked = []
+
+    def on_turn(s, agent):
+        shared, L = s.state.full["shared"], model.config.num_layers
+        t0 = shared.length
+        before = [[t.clone() for t in shared.kv(layer, 0, t0)] for layer in range(L)]
+
+        def after(turn):
+            assert s.state.turn is None
+            for layer in range(L):
+                for x, y in zip(before[layer], shared.kv(layer, 0, t0), strict=True):
+                    assert torch.equal(x, y)
+            checked.append(t0)
+
+        return after
+
+    run_script(make_engine(model, dirs, method), on_turn=on_turn)
+    assert checked == [0, 15, 23, 30, 36]  # the tokens before each turn of SCRIPT
+
+
+def test_recompute_refuses_bad_layers_and_partial_selections():
+    with pytest.raises(ValueError, match="not within"):
+        Recompute(4, first_write=2, last_layer=1)
+    with pytest.raises(ValueError, match="together"):
+        Recompute(4, select_layer=1)
+    with pytest.raises(ValueError, match="before the last layer"):
+        Recompute(4, select_layer=3, select=lambda *a: None, kept=1)
+    assert Recompute(4, select_layer=1, select=lambda *a: None, kept=3).token_layers(10) == 10 * 2 + 3 * 2
+
+
+def test_method_options_are_checked(tiny):
+    model, dirs, _ = tiny
+    adapters = make_engine(model, dirs, "fullshared").adapters
+    with pytest.raises(ValueError, match="rho"):
+        CacheBlend(model, adapters, rho=0.0)
+    with pytest.raises(ValueError, match="check_layer"):
+        CacheBlend(model, adapters, check_layer=2)  # 3 layers: nothing after it
+    with pytest.raises(ValueError, match="not within"):
+        DroidSpeak(model, adapters, layers=(1, 3))
+    with pytest.raises(ValueError, match="rho"):
+        RelayCaching(model, adapters, rho=1.5)
+
+
+def test_droidspeak_profile_is_stored_with_the_adapters_and_checked(tiny, tmp_path):
+    model, dirs, _ = tiny
+    adapters = make_engine(model, dirs, "fullshared").adapters
+    prof = profile(model, adapters, n_critical=2)
+    errors = prof["layer_errors"]
+    assert len(errors) == 3 and all(e > 0 for e in errors)
+    first = prof["layers"][0]
+    assert prof["layers"] == [first, first + 1]
+    assert errors[first] + errors[first + 1] == max(errors[0] + errors[1], errors[1] + errors[2])
+    path = save_profile(model, adapters, tmp_path, n_critical=1)
+    stored = json.loads(path.read_text())
+    assert stored["layers"][0] == stored["layers"][1] == max(range(3), key=stored["layer_errors"].__getitem__)
+    assert read_profile(path, model, adapters)["layers"] == stored["layers"]
+    stored["adapters"] = ["plan", "other"]
+    path.write_text(json.dumps(stored))
+    with pytest.raises(ValueError, match="droidspeak.json profiles"):
+        read_profile(path, model, adapters)
+
+
+def test_registry_builds_the_three(tiny):
+    model, dirs, _ = tiny
+    adapters = make_engine(model, dirs, "fullshared").adapters
+    assert [make_method(m, model, adapters).name for m in SELECTIVE_METHODS] == list(SELECTIVE_METHODS)
