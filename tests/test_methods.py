@@ -20,7 +20,12 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def check_turn_against_reference(method_name):
     """Fact 2 (and the BaseShared re-read rule): each turn equals a brute-force forward of the agent
-    over its turn tokens, reading its materialised view of everything before."""
+    over its turn tokens, reading its materialised view of everything before (the selective-recompute
+    baselines: the dense reference of their rule, tests/test_selective_methods.py)."""
+    if method_name in SELECTIVE_METHODS:
+        from tests.test_selective_methods import check_against_reference
+
+        return check_against_reference
 
     def on_turn(s, agent):
         m, st = s.method, s.state
@@ -71,9 +76,8 @@ def check_segment_caches(method_name, s, agent, h, start, end, n_before):
             assert close(lv, hl @ adapter.weights[(layer, "v_proj")][0])
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if m not in SELECTIVE_METHODS])
+@pytest.mark.parametrize("method", METHODS)
 def test_each_turn_matches_brute_force_reference(tiny, method):
-    """(The selective-recompute baselines have their own rule references: test_selective_methods.py.)"""
     model, dirs, _ = tiny
     s, turns = run_script(make_engine(model, dirs, method), on_turn=check_turn_against_reference(method))
     assert len(turns) == 5 and all(

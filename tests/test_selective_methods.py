@@ -66,7 +66,8 @@ def schedule_of(method):
 class BlendReference:
     """Dense brute force of a recompute rule over reused tokens ``[0, n)``: every layer computes
     the agent's K/V for all of them, takes its own where the rule says so and the reused entries
-    elsewhere, and attends (causal, explicit softmax) over that blend. ``blend[l]`` = (K, V)."""
+    elsewhere, and attends (causal, explicit softmax, the layer's sliding window) over that blend.
+    ``blend[l]`` = (K, V)."""
 
     def __init__(self, method, adapter, reused):
         self.adapter, self.reused = adapter, reused
@@ -88,6 +89,9 @@ class BlendReference:
         kk, vv = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
         scores = torch.einsum("thd,nhd->htn", x.q, kk) / math.sqrt(x.q.shape[2])
         mask = torch.arange(n)[None, :] <= torch.arange(n)[:, None]
+        window = x.model.config.window(x.layer)  # sliding window: key p visible when p > t - window
+        if window is not None:
+            mask &= torch.arange(n)[None, :] > torch.arange(n)[:, None] - window
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
         return torch.einsum("htn,nhd->thd", probs, vv).reshape(n, -1)
 
