@@ -81,10 +81,12 @@ class _Prepared:
     key_slot: torch.Tensor  # [n_keys] int32 pool rows, row after row
     key_pos: torch.Tensor  # [n_keys] int32 trajectory positions
     key_lr: torch.Tensor  # [n_keys] int8: 1 where the read adds the row adapter's LR part
-    rows: torch.Tensor  # [7, n_rows] int32: key offset, first query, queries, q_start, adapter, col k, col v
+    rows: (
+        torch.Tensor
+    )  # [n_rows, 8] int32: key offset, first query, queries, q_start, adapter, col k, col v, 0
     rank_k: torch.Tensor  # [n_layers, n_rows] int32 (0: no k_proj LoRA at that layer)
     rank_v: torch.Tensor  # [n_layers, n_rows] int32
-    tiles: torch.Tensor  # [3, n_tiles] int32: row, first query slot, keys visible to the tile
+    tiles: torch.Tensor  # [n_tiles, 4] int32: row, first query slot, keys visible to the tile, 0
     b: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # sB^k, rot(sB^k), sB^v [L, n_ad, Hkv, R, D]
     r_pad: int
     block_m: int
@@ -195,7 +197,16 @@ class TritonBackend(AttentionBackend):
                     col_k, col_v = read.lr_cols[0].start, read.lr_cols[1].start
             n_q, n_keys = row.q_rows.stop - row.q_rows.start, row_keys
             rows.append(
-                (key_off, row.q_rows.start, n_q, row.q_start, max(ad_index, 0), max(col_k, 0), max(col_v, 0))
+                (
+                    key_off,
+                    row.q_rows.start,
+                    n_q,
+                    row.q_start,
+                    max(ad_index, 0),
+                    max(col_k, 0),
+                    max(col_v, 0),
+                    0,
+                )
             )
             row_adapter.append(ad_index)
             for m0 in range(0, n_q * group, block_m):
@@ -205,7 +216,7 @@ class TritonBackend(AttentionBackend):
                     if last >= row.reads[-1].end - 1
                     else sum(max(0, min(r.end, last + 1) - r.start) for r in row.reads)
                 )
-                tiles.append((i, m0, visible))
+                tiles.append((i, m0, visible, 0))
             key_off += n_keys
         as_int = {"dtype": torch.int32, "device": device}
         key_slot = _ranges(starts, lens).to(**as_int)
@@ -220,10 +231,10 @@ class TritonBackend(AttentionBackend):
             key_lr=torch.repeat_interleave(torch.tensor(flags, dtype=torch.int8), torch.tensor(lens)).to(
                 device
             ),
-            rows=torch.tensor(rows, **as_int).T.contiguous(),
+            rows=torch.tensor(rows, **as_int),
             rank_k=rank_k.to(**as_int),
             rank_v=rank_v.to(**as_int),
-            tiles=torch.tensor(tiles, **as_int).T.contiguous(),
+            tiles=torch.tensor(tiles, **as_int),
             b=self._adapter_stack(adapters, model, r_pad) if adapters else None,
             r_pad=r_pad,
             block_m=block_m,
@@ -278,7 +289,7 @@ class TritonBackend(AttentionBackend):
             part_o = part_ml = out
         bk, bkrot, bv = (x[layer] for x in p.b) if p.b is not None else (out, out, out)
         cos, sin = model.rope.cos, model.rope.sin
-        grid = (p.tiles.shape[1], c.num_kv_heads, p.n_splits)
+        grid = (p.tiles.shape[0], c.num_kv_heads, p.n_splits)
         self._kernels.paged_lora_attention[grid](
             q,
             out,
@@ -288,7 +299,7 @@ class TritonBackend(AttentionBackend):
             p.key_slot,
             p.key_pos,
             p.key_lr,
-            *p.rows,
+            p.rows,
             p.rank_k,
             p.rank_v,
             bk,
@@ -296,7 +307,7 @@ class TritonBackend(AttentionBackend):
             bv,
             cos,
             sin,
-            *p.tiles,
+            p.tiles,
             part_o,
             part_ml,
             q.stride(0),
@@ -318,6 +329,7 @@ class TritonBackend(AttentionBackend):
             BLOCK_N=self.block_n,
             HAS_K_LR=p.has_k,
             HAS_V_LR=p.has_v,
+            HAS_LR=p.has_k or p.has_v,
             SPLIT=p.n_splits > 1,
             UPCAST=q.device.type == "cpu",  # only the interpreter runs on CPU tensors
             **self._compile_options(q, p.block_m),

@@ -48,13 +48,7 @@ def paged_lora_attention(
     key_slot_ptr,
     key_pos_ptr,
     key_lr_ptr,
-    row_key_off_ptr,
-    row_q_off_ptr,
-    row_q_len_ptr,
-    row_q_start_ptr,
-    row_adapter_ptr,
-    row_col_k_ptr,
-    row_col_v_ptr,
+    rows_ptr,
     rank_k_ptr,
     rank_v_ptr,
     bk_ptr,
@@ -62,9 +56,7 @@ def paged_lora_attention(
     bv_ptr,
     cos_ptr,
     sin_ptr,
-    tile_row_ptr,
-    tile_m0_ptr,
-    tile_nkeys_ptr,
+    tiles_ptr,
     part_o_ptr,
     part_ml_ptr,
     stride_qn,
@@ -86,6 +78,7 @@ def paged_lora_attention(
     BLOCK_N: tl.constexpr,
     HAS_K_LR: tl.constexpr,
     HAS_V_LR: tl.constexpr,
+    HAS_LR: tl.constexpr,
     SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -93,13 +86,14 @@ def paged_lora_attention(
     hk = tl.program_id(1)
     split = tl.program_id(2)
     n_splits = tl.num_programs(2)
-    row = tl.load(tile_row_ptr + tile)
-    m0 = tl.load(tile_m0_ptr + tile)
-    n_keys = tl.load(tile_nkeys_ptr + tile)
-    key_off = tl.load(row_key_off_ptr + row).to(tl.int64)
-    q_off = tl.load(row_q_off_ptr + row)
-    q_len = tl.load(row_q_len_ptr + row)
-    q_start = tl.load(row_q_start_ptr + row)
+    row = tl.load(tiles_ptr + tile * 4)  # tiles [n_tiles, 4]: row, first slot, visible keys, pad
+    m0 = tl.load(tiles_ptr + tile * 4 + 1)
+    n_keys = tl.load(tiles_ptr + tile * 4 + 2)
+    # rows [n_rows, 8]: key offset, first query, queries, q_start, adapter, LR col k, LR col v, pad
+    key_off = tl.load(rows_ptr + row * 8).to(tl.int64)
+    q_off = tl.load(rows_ptr + row * 8 + 1)
+    q_len = tl.load(rows_ptr + row * 8 + 2)
+    q_start = tl.load(rows_ptr + row * 8 + 3)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     t = offs_m // G
@@ -115,17 +109,17 @@ def paged_lora_attention(
     )
 
     offs_r = tl.arange(0, R_PAD)
-    adapter = tl.load(row_adapter_ptr + row)
+    adapter = tl.load(rows_ptr + row * 8 + 4)
     b_rows = ((adapter * HKV + hk) * R_PAD + offs_r).to(tl.int64) * D
     b_offs = b_rows[:, None] + offs_d[None, :]  # [R_PAD, D_PAD] of this kv head's slice of B
     if HAS_K_LR:
         rank_k = tl.load(rank_k_ptr + rank_off + row)
-        col_k = tl.load(row_col_k_ptr + row)
+        col_k = tl.load(rows_ptr + row * 8 + 5)
         bk = tl.load(bk_ptr + b_offs, mask=d_valid[None, :], other=0.0).to(lr_ptr.dtype.element_ty)
         bkrot = tl.load(bkrot_ptr + b_offs, mask=d_valid[None, :], other=0.0).to(lr_ptr.dtype.element_ty)
     if HAS_V_LR:
         rank_v = tl.load(rank_v_ptr + rank_off + row)
-        col_v = tl.load(row_col_v_ptr + row)
+        col_v = tl.load(rows_ptr + row * 8 + 6)
         acc_lr = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
 
     chunk = tl.cdiv(tl.cdiv(n_keys, n_splits), BLOCK_N) * BLOCK_N
@@ -142,7 +136,7 @@ def paged_lora_attention(
         kd_mask = n_valid[:, None] & d_valid[None, :]
         kv_offs = slot[:, None] * stride_kp + hk * stride_kh + offs_d[None, :]
         k = tl.load(k_ptr + kv_offs, mask=kd_mask, other=0.0)
-        if HAS_V_LR or HAS_K_LR:
+        if HAS_LR:  # HAS_K_LR or HAS_V_LR, decided on the host
             has_lr = tl.load(key_lr_ptr + key_off + offs_n, mask=n_valid, other=0) != 0
         if HAS_K_LR:
             lk_mask = has_lr[:, None] & (offs_r < rank_k)[None, :]
