@@ -5,9 +5,9 @@ case: contiguous, dense K/V and no LR term. The kernel reads a paged pool throug
 and carries the LR terms of an adapter: ``v`` (a q/v LoRA: ``s (P Lv) B^v``) or ``kv`` (k and v
 LoRA: the RoPE'd ``s Lk B^k`` on every key tile as well), or none (``base``). Cases: prefill
 continuations (``new`` queries over ``cached`` keys, causal from the last cached position) and
-decode steps of ``batch`` rows over ``context`` keys each. Times are medians of CUDA-event timed
-calls after warm-up; the per-forward metadata (slot tables) is built once and not timed, as in a
-forward where it serves every layer.
+decode steps of ``batch`` rows over ``context`` keys each. Times come from CUDA events around
+back-to-back calls after warm-up (:func:`_timed`); the per-forward metadata (slot tables) is built
+once and not timed, as in a forward where it serves every layer.
 """
 
 from __future__ import annotations
@@ -63,23 +63,28 @@ def _paged_rows(model, pool: KVPool, lengths: list[tuple[int, int]], adapter, rn
 
 
 def _timed(fn, cuda: bool, repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` calls after two warm-up calls."""
-    for _ in range(2 if cuda else 0):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end) / 1e3)
-        else:
+    """Seconds per ``fn()`` call: on CUDA the median over 5 windows of ``repeats`` back-to-back calls
+    between two events (the host's launch work overlaps the GPU's, as in a forward), after two
+    warm-up calls; on CPU the median of ``repeats`` single calls."""
+    if not cuda:
+        times = []
+        for _ in range(repeats):
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        return statistics.median(times)
+    fn()
+    fn()
+    windows = []
+    for _ in range(5):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(repeats):
+            fn()
+        end.record()
+        end.synchronize()
+        windows.append(begin.elapsed_time(end) / 1e3 / repeats)
+    return statistics.median(windows)
 
 
 def _sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: bool):
