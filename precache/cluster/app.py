@@ -40,7 +40,9 @@ class ClusterConfig:
     ``new_trajectory_limit``: requests in flight at which a replica stops taking new trajectories
     (None: three quarters of ``max_ongoing_requests``); ``stats_period_s``: seconds between
     replicas' routing reports; ``attempts``: tries of a request whose replica dies before
-    answering; ``num_cpus_per_replica`` / ``num_gpus_per_replica``: Ray resources of a replica.
+    answering; ``num_cpus_per_replica`` / ``num_gpus_per_replica``: Ray resources of a replica;
+    ``shutdown_timeout_s``: seconds a stopping replica waits for its running requests (Ray's
+    ``graceful_shutdown_timeout_s``).
 
     Raises:
         ValueError: a field out of range (named in the message).
@@ -55,6 +57,7 @@ class ClusterConfig:
     attempts: int = 3
     num_cpus_per_replica: float = 1.0
     num_gpus_per_replica: float = 0.0
+    shutdown_timeout_s: float = 30.0
 
     def __post_init__(self):
         checks = [
@@ -69,6 +72,7 @@ class ClusterConfig:
             ),
             (self.stats_period_s > 0, "stats_period_s must be > 0"),
             (self.attempts >= 1, "attempts must be at least 1"),
+            (self.shutdown_timeout_s >= 0, "shutdown_timeout_s must be >= 0"),
             (self.num_cpus_per_replica >= 0 and self.num_gpus_per_replica >= 0, "resources must be >= 0"),
         ]
         for ok, message in checks:
@@ -134,6 +138,7 @@ def build_app(
             "num_gpus": cluster.num_gpus_per_replica,
         },
         request_router_config=router,
+        graceful_shutdown_timeout_s=cluster.shutdown_timeout_s,
     )
     ingress = serve.deployment(
         PrecacheIngress,
@@ -242,6 +247,7 @@ def serve_from_args(args) -> int:
         num_cpus_per_replica=1.0 if args.num_cpus_per_replica is None else args.num_cpus_per_replica,
         num_gpus_per_replica=gpus,
         max_ongoing_requests=args.max_num_seqs,
+        shutdown_timeout_s=args.shutdown_timeout,
     )
     app = build_app(
         spec, tokenizer, hf_config.vocab_size, hf_config.max_position_embeddings, server_config, cluster
