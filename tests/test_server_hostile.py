@@ -124,6 +124,7 @@ RAW_CASES = [  # bodies json.dumps cannot write: NaN, Infinity, lone surrogates,
         b'{"model": "plan", "messages": [{"role": "user", "content": "\\ud800"}]}',
         400,
     ),
+    ("surrogate in model", "/v1/completions", b'{"model": "pl\\ud800an", "prompt": "a"}', 400),
     (
         "surrogate in salt",
         "/v1/completions",

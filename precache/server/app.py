@@ -151,8 +151,8 @@ class _Api:
         Raises:
             APIError: 4xx, the request is refused (nothing was queued).
         """
+        check_unicode(body.model_dump(exclude_unset=True))  # first: error messages may quote fields
         agent = self.agent(body.model)
-        check_unicode(body.model_dump(exclude_unset=True))
         check_fields(body)  # the field policy before any tokenising
         ids = prompt_ids(body)
         check_prompt(ids, self.engine.max_context)
