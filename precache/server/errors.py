@@ -24,7 +24,9 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    """The OpenAI error object for HTTP ``status``."""
+    """The OpenAI error object for HTTP ``status`` (a lone surrogate quoted from the request becomes
+    ``?``: the body must encode as UTF-8)."""
+    message = message.encode("utf-8", "replace").decode("utf-8")
     kind = "invalid_request_error" if status < 500 else "server_error"
     if status == 404 and code is None:
         code = "not_found"
