@@ -16,7 +16,6 @@ import argparse
 import functools
 import importlib
 import logging
-import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -80,7 +79,7 @@ def set_verbosity(verbose: int) -> None:
     0: precache's loggers at INFO, every other logger at WARNING, transformers at ERROR with no
     progress bar ("Loading weights"), hub progress bars off, ``DeprecationWarning`` and
     ``FutureWarning`` ignored. 1: the root logger at INFO, transformers at INFO with its bars,
-    warnings shown. 2 or more: DEBUG everywhere.
+    Python's default warning filters. 2 or more: DEBUG everywhere.
     """
     root_level = (logging.WARNING, logging.INFO)[verbose] if verbose < 2 else logging.DEBUG
     logging.basicConfig(level=root_level, format="%(levelname)s %(name)s: %(message)s")
@@ -90,7 +89,6 @@ def set_verbosity(verbose: int) -> None:
     import transformers.utils.logging as hf_logging
 
     if verbose == 0:
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read by processes started later
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         huggingface_hub.utils.disable_progress_bars()
