@@ -16,6 +16,7 @@ import statistics
 from collections.abc import Callable
 
 import torch
+from rich.console import Console
 from rich.progress import Progress
 
 from precache.bench.replay import Replay
@@ -97,7 +98,8 @@ def run_suite(runners: dict[str, Runner], trace: Trace, stream: list[list[int]],
     warm = trace.head(WARMUP_TURNS, WARMUP_LEN)
     warm_stream = [ids[:WARMUP_LEN] for ids in stream[:WARMUP_TURNS]]
     replays: dict[str, list[Replay]] = {name: [] for name in runners}
-    with Progress(transient=True) as progress:
+    err = Console(stderr=True)  # the bar on a terminal only, never in piped results
+    with Progress(transient=True, console=err, disable=not err.is_terminal) as progress:
         task = progress.add_task(f"replay {trace.name}", total=len(runners) * (repeats + 1))
         for name, runner in runners.items():
             progress.update(task, description=f"warm-up {name}")
