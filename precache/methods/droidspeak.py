@@ -71,44 +71,49 @@ class DroidSpeak(SelectiveRecompute):
 
 
 class _PrefixAttention:
-    """Causal attention of one row at positions ``[P, P + T)`` over materialised prefix K/V
-    ``prefix[layer] = (K, V)`` ``[P, Hkv, D]`` and its own adapted K/V. With ``record``: keeps each
-    layer's own adapted K/V (the row's cache entries)."""
+    """Causal attention of rows that all run the same tokens at positions ``[P, P + T)``, row i
+    over its own materialised prefix K/V ``prefixes[i][layer] = (K, V)`` ``[P, Hkv, D]`` (None: no
+    prefix) and its own adapted K/V. With ``record``: keeps each layer's adapted K/V of the batch."""
 
-    def __init__(self, adapter, prefix=None, record=False):
-        self.adapter, self.prefix, self.kv = adapter, prefix, [] if record else None
+    def __init__(self, rows: list[Row], prefixes, record=False):
+        self.rows, self.prefixes, self.kv = rows, prefixes, [] if record else None
 
     def attend(self, x: LayerInput) -> torch.Tensor:
-        k, v = x.adapted_kv(slice(None), self.adapter)
-        if self.kv is not None:
-            self.kv.append((k, v))
-        n_prefix = 0
-        if self.prefix is not None:
-            pk, pv = self.prefix[x.layer]
-            n_prefix = pk.shape[0]
-            k, v = torch.cat([pk, k]), torch.cat([pv, v])
-        T = x.q.shape[0]
-        mask = torch.arange(n_prefix + T)[None, :] <= n_prefix + torch.arange(T)[:, None]  # [T, P + T]
+        out = torch.empty(x.q.shape[0], x.q.shape[1] * x.q.shape[2], dtype=x.q.dtype, device=x.q.device)
         window = x.model.config.window(x.layer)
-        if window is not None:
-            mask &= torch.arange(n_prefix + T)[None, :] > n_prefix + torch.arange(T)[:, None] - window
-        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (x.q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.device), enable_gqa=True)
-        return out[0].transpose(0, 1).reshape(T, -1)
+        for row, prefix in zip(self.rows, self.prefixes, strict=True):
+            k, v = x.adapted_kv(row.slice, row.adapter)
+            if self.kv is not None:
+                self.kv.append((k, v))
+            n_prefix = 0
+            if prefix is not None:
+                pk, pv = prefix[x.layer]
+                n_prefix = pk.shape[0]
+                k, v = torch.cat([pk, k]), torch.cat([pv, v])
+            T = row.end - row.start
+            keys, queries = torch.arange(n_prefix + T)[None, :], n_prefix + torch.arange(T)[:, None]
+            mask = keys <= queries  # [T, P + T]
+            if window is not None:
+                mask &= keys > queries - window
+            q, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (x.q[row.slice], k, v))
+            o = F.scaled_dot_product_attention(q, kh, vh, attn_mask=mask.to(q.device), enable_gqa=True)
+            out[row.slice] = o[0].transpose(0, 1).reshape(T, -1)
+        return out
 
 
-def _run(model, ids: list[int], pos0: int, adapter, prefix=None, record=False):
-    """``(log-probabilities [T, vocab], per-layer own K/V or None)`` of one row."""
-    attention = _PrefixAttention(adapter, prefix, record)
+def _run(model, ids: list[int], pos0: int, adapter, prefixes: list, record=False):
+    """``(log-probabilities [len(prefixes), T, vocab], K/V per layer or None)``: one row per prefix."""
     T = len(ids)
+    rows = [Row(i * T, (i + 1) * T, adapter) for i in range(len(prefixes))]
+    attention = _PrefixAttention(rows, prefixes, record)
     logits = model.forward(
-        torch.tensor(ids, device=model.device),
-        torch.arange(pos0, pos0 + T, device=model.device),
-        [Row(0, T, adapter)],
+        torch.tensor(ids * len(rows), device=model.device),
+        torch.arange(pos0, pos0 + T, device=model.device).repeat(len(rows)),
+        rows,
         attention,
-        logits_at=list(range(T)),
+        logits_at=list(range(T * len(rows))),
     )
-    return torch.log_softmax(logits, -1), attention.kv
+    return torch.log_softmax(logits, -1).view(len(rows), T, -1), attention.kv
 
 
 def profile(
@@ -146,17 +151,19 @@ def profile(
     for ids in calibration:
         split = len(ids) * 3 // 4
         prefix_ids, query = ids[:split], ids[split:]
-        own = {a: _run(model, prefix_ids, 0, ad, record=True)[1] for a, ad in adapters.items()}
+        own = {a: _run(model, prefix_ids, 0, ad, [None], record=True)[1] for a, ad in adapters.items()}
         for c, reader in adapters.items():
-            ref, _ = _run(model, query, split, reader, own[c])
             for j in adapters:
                 if j == c:
                     continue
-                for layer in range(num_layers):
-                    mixed = [own[j][i] if i == layer else own[c][i] for i in range(num_layers)]
-                    got, _ = _run(model, query, split, reader, mixed)
-                    kl = (ref.exp() * (ref - got)).sum(-1).mean()
-                    errors[layer] += float(kl)
+                # row 0 reads c's own K/V everywhere; row 1 + l reads j's at layer l only
+                mixed = [
+                    [own[j][i] if i == layer else own[c][i] for i in range(num_layers)]
+                    for layer in range(num_layers)
+                ]
+                logp, _ = _run(model, query, split, reader, [own[c], *mixed])
+                ref = logp[0]
+                errors += (ref.exp() * (ref - logp[1:])).sum(-1).mean(-1).double()
                 count += 1
     errors /= count
     sums = [float(errors[a : a + n_critical].sum()) for a in range(num_layers - n_critical + 1)]
@@ -213,4 +220,51 @@ def save_profile(model, adapters: dict, folder: str | Path | None = None, **opti
     return path
 
 
-__all__ = ["PROFILE_FILE", "DroidSpeak", "profile", "profile_path", "read_profile", "save_profile"]
+def hotpotqa_calibration(tokenizer, n: int = 4, tokens: int = 128) -> list[list[int]]:
+    """Calibration sequences from the first ``n`` HotpotQA train questions: the question and its
+    paragraphs as text, the first ``tokens`` token ids of each (the committed profiles use these)."""
+    from precache.agents.data import load_questions
+
+    out = []
+    for q in load_questions("train")[:n]:
+        text = q.question + "\n" + "\n".join(f"{title}: {''.join(sents)}" for title, sents in q.context)
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"][:tokens])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m precache.methods.droidspeak --adapters qv|all|DIR [--model DIR] [--n-critical N]``:
+    profile the adapter set on the base model and write ``droidspeak.json`` next to the adapters."""
+    import argparse
+
+    from precache.lora.adapter import load_adapter
+    from precache.models import load_model
+    from precache.resources import adapter_set
+
+    parser = argparse.ArgumentParser(prog="python -m precache.methods.droidspeak", description=main.__doc__)
+    parser.add_argument("--adapters", default="qv", help="qv | all (committed sets) | DIR with DIR/<agent>/")
+    parser.add_argument("--model", help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--n-critical", type=int, default=None, help="layers in the range (default: L / 3)")
+    args = parser.parse_args(argv)
+    folders = adapter_set(args.adapters)
+    model = load_model(args.model)
+    adapters = {a: load_adapter(folder, model.config, a) for a, folder in folders.items()}
+    calibration = hotpotqa_calibration(model.tokenizer)
+    path = save_profile(model, adapters, n_critical=args.n_critical, calibration=calibration)
+    data = json.loads(path.read_text())
+    logger.warning("wrote %s: critical layers %s", path, data["layers"])
+    return 0
+
+
+__all__ = [
+    "PROFILE_FILE",
+    "DroidSpeak",
+    "hotpotqa_calibration",
+    "profile",
+    "profile_path",
+    "read_profile",
+    "save_profile",
+]
+
+if __name__ == "__main__":
+    raise SystemExit(main())
