@@ -161,7 +161,9 @@ class _Api:
         check_room(body, len(ids), params.max_new_tokens, self.engine.max_context)
         check_token_ids(params, self.engine.model.config.vocab_size)
         tenant = Tenants.tenant(key, body.cache_salt)
-        job = Job(agent, ids, params, body.model, body.session_id, n=body.n, tenant=tenant)
+        job = Job(
+            agent, ids, params, body.model, body.session_id, n=body.n, tenant=tenant, stream=bool(body.stream)
+        )
         renderer = Renderer(
             kind,
             body.model,

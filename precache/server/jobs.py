@@ -63,7 +63,8 @@ class Job:
     ``model`` is the name the client asked for (metrics label); ``arrival`` a ``perf_counter``
     time in seconds; ``session_id`` pins a trajectory; ``n`` choices (choice 0 runs on the
     conversation's session, the others on forks of its prompt); ``tenant``: whose cache it may reuse
-    (:mod:`precache.server.tenants`; None: the default tenant).
+    (:mod:`precache.server.tenants`; None: the default tenant); ``stream``: tokens go to the client
+    as they come (a job that streamed nothing yet may be started again).
     """
 
     agent: str | None
@@ -73,6 +74,7 @@ class Job:
     session_id: str | None = None
     n: int = 1
     tenant: str | None = None
+    stream: bool = False
     dropped: bool = False  # cancelled or failed (set on the server loop): no more choices start
     id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.perf_counter)

@@ -261,7 +261,8 @@ class Scheduler:
 
     def _failed(self, active: _Active) -> None:
         """The engine failed ``active``'s request. A full block pool (nothing streamed yet) evicts the
-        least recently used idle session and queues the job again; other errors go to the client."""
+        least recently used idle session, or waits for the other running requests, and queues the
+        job again; other errors go to the client."""
         request = active.request
         self._active.remove(active)
         if active.fork is not None:
@@ -272,8 +273,13 @@ class Scheduler:
             self.pool.release(active.claim.entry)
         else:
             self.pool.discard(active.claim.entry)  # its caches may be half-written
-        retry = isinstance(request.error, OutOfBlocksError) and active.first_token_s is None
-        if retry and not active.reported and self.pool.drop_idle():
+        unseen = active.first_token_s is None or not active.job.stream  # the client saw no token
+        retry = isinstance(request.error, OutOfBlocksError) and unseen
+        if retry and not active.reported and (self.pool.drop_idle() or self._active):
+            # Preempted before the client saw a token: its blocks are back in the pool, so the
+            # running requests go on, and the job starts again from its prompt once they free
+            # blocks (recompute preemption, as vLLM does). With nothing else running it could
+            # never fit: an error.
             self._pending.insert(0, active.job)
             return
         self._send_error(active, *error_status(request.error))
