@@ -15,12 +15,12 @@ from pathlib import Path
 from rich.table import Table
 
 from precache.agents import prompt
+from precache.agents.benchmark import BENCHMARKS, get_benchmark
 from precache.agents.data import (
     DatasetError,
     Question,
     get_question,
     load_question_file,
-    load_questions,
     parse_context,
 )
 from precache.bench.common import check_method, positive_int
@@ -53,8 +53,9 @@ def _list(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from precache.agents.train import train_adapters
 
-    out = Path(args.out) if args.out else ADAPTER_ROOT / args.set
-    train_adapters(out, targets=args.set, steps=args.steps, seed=args.seed)
+    benchmark = get_benchmark(args.benchmark)
+    out = Path(args.out) if args.out else benchmark.adapter_root / args.set
+    train_adapters(out, targets=args.set, steps=args.steps, seed=args.seed, benchmark=benchmark)
     return 0
 
 
@@ -115,12 +116,31 @@ def custom_question(text: str, paragraphs: str | Path, answer: str) -> Question:
     )
 
 
+def _scores(benchmark, episode, question) -> str:
+    """``answer=... gold=... EM=1 F1=1.00`` (HotpotQA) or ``answer=... gold=B accuracy=1`` (ScienceQA)."""
+    if benchmark.name == "scienceqa":
+        return f"answer={episode.answer!r} gold={question.answer!r} accuracy={episode.accuracy:.0f}"
+    return f"answer={episode.answer!r} gold={question.answer!r} EM={episode.em:.0f} F1={episode.f1:.2f}"
+
+
+def _hotpotqa_only(benchmark, args: argparse.Namespace, options: tuple[str, ...]) -> None:
+    given = [f"--{name}" for name in options if getattr(args, name, None) is not None]
+    if given and benchmark.name != "hotpotqa":
+        raise DatasetError(
+            f"{', '.join(given)} take(s) HotpotQA questions: not with --benchmark {benchmark.name}"
+        )
+
+
 def _run(args: argparse.Namespace) -> int:
     from precache.agents.loop import run_episode
 
     check_method(args.method)
-    adapters = adapter_set(args.adapters, prompt.ROLES)
-    if args.paragraphs:
+    benchmark = get_benchmark(args.benchmark)
+    _hotpotqa_only(benchmark, args, ("paragraphs", "answer"))
+    adapters = adapter_set(benchmark.adapters(args.adapters), prompt.ROLES)
+    if benchmark.name != "hotpotqa":
+        question = benchmark.get_question(args.question)
+    elif args.paragraphs:
         question = custom_question(args.question, args.paragraphs, args.answer or "")
     elif args.answer is not None:
         raise DatasetError("--answer is the gold answer of a question text: it needs --paragraphs")
@@ -131,7 +151,11 @@ def _run(args: argparse.Namespace) -> int:
             raise DatasetError(f"{exc}; pass --paragraphs FILE to ask a question of your own") from None
     engine = _engine(args, args.method, adapters)
     episode = run_episode(
-        engine.session(), question, max_steps=args.max_steps, max_new_tokens=args.max_new_tokens
+        engine.session(),
+        question,
+        max_steps=args.max_steps,
+        max_new_tokens=args.max_new_tokens,
+        benchmark=benchmark,
     )
     out = console()
     out.print(episode.trajectory, markup=False, highlight=False)
@@ -145,12 +169,11 @@ def _run(args: argparse.Namespace) -> int:
             turn.stop_reason,
         )
     out.print(table)
-    out.print(
-        f"answer={episode.answer!r} gold={question.answer!r} EM={episode.em:.0f} F1={episode.f1:.2f} "
-        f"stop={episode.stop_reason}"
-    )
+    out.print(f"{_scores(benchmark, episode, question)} stop={episode.stop_reason}")
     if args.json:
         data = {"method": args.method, "adapters": args.adapters, **episode.to_dict()}
+        if benchmark.name != "hotpotqa":
+            data = {"benchmark": benchmark.name, **data}
         Path(args.json).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     return 0
 
@@ -159,9 +182,14 @@ def _eval(args: argparse.Namespace) -> int:
     from precache.agents.evaluate import evaluate
 
     check_method(args.method)
-    adapters = adapter_set(args.adapters, prompt.ROLES)
+    benchmark = get_benchmark(args.benchmark)
+    _hotpotqa_only(benchmark, args, ("data",))
+    adapters = adapter_set(benchmark.adapters(args.adapters), prompt.ROLES)
     source = args.data or args.split
-    questions = (load_question_file(args.data) if args.data else load_questions(args.split))[: args.limit]
+    if args.data:
+        questions = load_question_file(args.data)[: args.limit]
+    else:
+        questions = benchmark.load_questions(args.split)[: args.limit]
     engine = _engine(args, args.method, adapters)
     reference = None
     if args.method != REFERENCE_METHOD:
@@ -171,6 +199,7 @@ def _eval(args: argparse.Namespace) -> int:
         questions,
         reference_session=reference,
         concurrency=args.concurrency,
+        benchmark=benchmark,
         max_steps=args.max_steps,
         max_new_tokens=args.max_new_tokens,
     )
@@ -178,11 +207,24 @@ def _eval(args: argparse.Namespace) -> int:
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     summary = result["summary"]
     agreement = summary.get("agreement", 1.0)
+    metrics = " ".join(
+        f"{'accuracy' if m == 'accuracy' else m.upper()}={summary[m]:.3f}" for m in benchmark.metrics
+    )
+    where = source if benchmark.name == "hotpotqa" else f"{benchmark.name} {source}"
     console().print(
-        f"{args.method} on {len(questions)} questions of {source}: EM={summary['em']:.3f} "
-        f"F1={summary['f1']:.3f} agreement with {REFERENCE_METHOD}={agreement:.3f}"
+        f"{args.method} on {len(questions)} questions of {where}: {metrics} "
+        f"agreement with {REFERENCE_METHOD}={agreement:.3f}"
     )
     return 0
+
+
+def _benchmark_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--benchmark",
+        choices=tuple(BENCHMARKS),
+        default="hotpotqa",
+        help="hotpotqa (EM / F1) or scienceqa (option accuracy); committed adapter sets are per benchmark",
+    )
 
 
 def _engine_options(parser: argparse.ArgumentParser) -> None:
@@ -207,7 +249,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "list", help="the committed adapter sets: agents, rank, targets, folder"
     )
     listing.set_defaults(func=_list)
-    train = adapters_sub.add_parser("train", help="train one adapter set on gold HotpotQA trajectories")
+    train = adapters_sub.add_parser("train", help="train one adapter set on gold trajectories of a benchmark")
+    _benchmark_option(train)
     train.add_argument("--set", choices=ADAPTER_SETS, default="qv", help="projections the LoRA targets")
     train.add_argument("--steps", type=int, default=60, help="optimizer steps per role (batch 4)")
     train.add_argument("--seed", type=int, default=0)
@@ -218,20 +261,27 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     check.add_argument("--limit", type=int, default=20, help="dev questions to check")
     check.set_defaults(func=_check)
 
-    run = sub.add_parser("run", help="answer one HotpotQA question with the three agents")
-    run.add_argument("--question", required=True, help="a HotpotQA id, or a question text with --paragraphs")
+    run = sub.add_parser("run", help="answer one HotpotQA or ScienceQA question with the three agents")
+    run.add_argument(
+        "--question",
+        required=True,
+        help="a HotpotQA id, a ScienceQA pid (--benchmark scienceqa), or a question text with --paragraphs",
+    )
     run.add_argument(
         "--paragraphs",
         help='JSON file [[title, [sentence, ...]], ...] or {"context": ...} for a question text',
     )
     run.add_argument("--answer", help="gold answer of a question text (for EM / F1)")
     run.add_argument("--json", help="write the episode (turns, trajectory, scores) to this file")
+    _benchmark_option(run)
     _engine_options(run)
     run.set_defaults(func=_run)
 
     evaluation = sub.add_parser(
-        "eval", help="EM / F1 / agreement with NonShared on a split or your questions"
+        "eval",
+        help="EM / F1 (HotpotQA) or option accuracy (ScienceQA), agreement with NonShared, on a split",
     )
+    _benchmark_option(evaluation)
     questions = evaluation.add_mutually_exclusive_group()
     questions.add_argument("--split", choices=("dev", "train", "all"), default="dev")
     questions.add_argument(

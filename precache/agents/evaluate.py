@@ -1,7 +1,8 @@
-"""Evaluate the agents on HotpotQA questions: EM, F1, TTFT, and agreement with a reference method.
+"""Evaluate the agents on a benchmark's questions: its metrics (HotpotQA: EM, F1; ScienceQA:
+option accuracy), TTFT, and agreement with a reference method.
 
-Agreement is the share of questions whose final answers are equal after answer normalisation
-between the evaluated method and the reference (NonShared, the exact per-agent computation):
+Agreement is the share of questions whose final answers are equal (HotpotQA: after answer
+normalisation; ScienceQA: the same option) between the evaluated method and the reference (NonShared, the exact per-agent computation):
 a lossless sharing method should agree on nearly every question under greedy decoding.
 """
 
@@ -11,28 +12,35 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from statistics import mean
+from typing import Any
 
-from precache.agents.data import Question
+from precache.agents.benchmark import HOTPOTQA, Benchmark
 from precache.agents.loop import AgentSession, Episode, run_episode
-from precache.agents.scoring import normalize_answer
 from precache.engine.scheduler import run_concurrently
 
 logger = logging.getLogger(__name__)
 
 
-def summarize(episodes: list[Episode], reference: list[Episode] | None = None) -> dict:
-    """Aggregate episodes: mean EM / F1, mean TTFT (seconds) and prefill tokens per agent, stop reasons.
+def summarize(
+    episodes: list[Episode],
+    reference: list[Episode] | None = None,
+    benchmark: Benchmark = HOTPOTQA,
+    questions: list[Any] | None = None,
+) -> dict:
+    """Aggregate episodes: the mean of each of ``benchmark.metrics`` (HotpotQA: ``em``, ``f1``;
+    ScienceQA: ``accuracy``), mean TTFT (seconds) and prefill tokens per agent, stop reasons.
 
-    With ``reference`` (same questions, same order), adds ``agreement``: the share of equal
-    normalised final answers.
+    With ``reference`` (same questions, same order), adds ``agreement``: the share of equal final
+    answers by ``benchmark.answer_key`` over ``questions`` (the episodes' questions, in order;
+    needed by ScienceQA, whose key is the option an answer names).
 
     Raises:
-        ValueError: ``reference`` covers other questions.
+        ValueError: ``reference`` covers other questions, or ``questions`` are missing for it.
     """
-    summary: dict = {
-        "questions": len(episodes),
-        "em": mean(e.em for e in episodes) if episodes else 0.0,
-        "f1": mean(e.f1 for e in episodes) if episodes else 0.0,
+    summary: dict = {"questions": len(episodes)}
+    for metric in benchmark.metrics:
+        summary[metric] = mean(getattr(e, metric) for e in episodes) if episodes else 0.0
+    summary |= {
         "stop_reasons": dict(Counter(e.stop_reason for e in episodes)),
         "mean_steps": mean(e.steps for e in episodes) if episodes else 0.0,
         "agents": {},
@@ -51,9 +59,12 @@ def summarize(episodes: list[Episode], reference: list[Episode] | None = None) -
     if reference is not None:
         if [e.question_id for e in reference] != [e.question_id for e in episodes]:
             raise ValueError("reference episodes cover other questions than the evaluated ones")
+        if questions is None and benchmark is not HOTPOTQA:
+            raise ValueError(f"agreement on {benchmark.name} needs the episodes' questions")
+        asked = questions if questions is not None else [None] * len(episodes)
         same = [
-            normalize_answer(a.answer) == normalize_answer(b.answer)
-            for a, b in zip(episodes, reference, strict=True)
+            benchmark.answer_key(a.answer, q) == benchmark.answer_key(b.answer, q)
+            for a, b, q in zip(episodes, reference, asked, strict=True)
         ]
         summary["agreement"] = mean(same) if same else 0.0
     return summary
@@ -61,12 +72,14 @@ def summarize(episodes: list[Episode], reference: list[Episode] | None = None) -
 
 def evaluate(
     new_session: Callable[[], AgentSession],
-    questions: list[Question],
+    questions: list[Any],
     reference_session: Callable[[], AgentSession] | None = None,
     concurrency: int = 1,
+    benchmark: Benchmark = HOTPOTQA,
     **episode_kwargs,
 ) -> dict:
-    """Run one episode per question (then one per question on the reference, if given).
+    """Run one episode per question of ``benchmark`` (then one per question on the reference, if
+    given).
 
     ``new_session`` / ``reference_session`` return a fresh engine session per question;
     ``concurrency`` episodes run at once on threads, so their forwards share batches
@@ -75,8 +88,8 @@ def evaluate(
     "reference_episodes": [...]}`` (episodes as dicts, in the order of ``questions``).
     """
 
-    def runner(factory: Callable[[], AgentSession]) -> Callable[[Question], Episode]:
-        return lambda question: run_episode(factory(), question, **episode_kwargs)
+    def runner(factory: Callable[[], AgentSession]) -> Callable[[Any], Episode]:
+        return lambda question: run_episode(factory(), question, benchmark=benchmark, **episode_kwargs)
 
     episodes = run_concurrently(runner(new_session), questions, concurrency, desc="eval")
     for question, episode in zip(questions, episodes, strict=True):
@@ -85,7 +98,9 @@ def evaluate(
     if reference_session is not None:
         reference = run_concurrently(runner(reference_session), questions, concurrency, desc="reference")
     result = {
-        "summary": summarize(episodes, reference if reference_session is not None else None),
+        "summary": summarize(
+            episodes, reference if reference_session is not None else None, benchmark, questions
+        ),
         "episodes": [e.to_dict() for e in episodes],
     }
     if reference_session is not None:

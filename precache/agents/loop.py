@@ -14,9 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 from precache.agents import prompt
-from precache.agents.data import Question
-from precache.agents.scoring import exact_match, f1
-from precache.agents.tools import ToolEnv
+from precache.agents.benchmark import HOTPOTQA, Benchmark
 from precache.engine.request import Turn
 from precache.errors import ContextLengthError
 
@@ -37,7 +35,11 @@ class AgentSession(Protocol):
 
 @dataclass
 class Episode:
-    """The result of :func:`run_episode`. ``stop_reason`` is one of ``STOP_REASONS``."""
+    """The result of :func:`run_episode`. ``stop_reason`` is one of ``STOP_REASONS``.
+
+    ``em`` / ``f1`` are HotpotQA's scores; ``accuracy`` is ScienceQA's option accuracy (None on
+    a benchmark that does not measure it, and then left out of :meth:`to_dict`).
+    """
 
     question_id: str
     turns: list[Turn] = field(default_factory=list)
@@ -46,6 +48,7 @@ class Episode:
     answer: str = ""
     em: float = 0.0
     f1: float = 0.0
+    accuracy: float | None = None
     stop_reason: str = ""
     steps: int = 0
     wall_s: float = 0.0
@@ -57,7 +60,8 @@ class Episode:
 
     def to_dict(self) -> dict:
         """JSON-ready summary (turns as :meth:`Turn.summary`, pieces folded into ``trajectory``)."""
-        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("turns", "pieces")}
+        skip = ("turns", "pieces") if self.accuracy is not None else ("turns", "pieces", "accuracy")
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         data["answers"] = list(self.answers)
         data["turns"] = [turn.summary() for turn in self.turns]
         data["trajectory"] = self.trajectory
@@ -71,9 +75,9 @@ class _Stop(Exception):
 class _Runner:
     """State of one episode: the session, the tools, the pieces written so far."""
 
-    def __init__(self, session, question, max_new_tokens, max_context, on_turn) -> None:
+    def __init__(self, session, question, max_new_tokens, max_context, on_turn, benchmark) -> None:
         self.session = session
-        self.env = ToolEnv(question)
+        self.env = benchmark.environment(question)
         self.max_new_tokens = max_new_tokens
         self.max_context = max_context
         self.on_turn = on_turn
@@ -136,30 +140,33 @@ class _Runner:
 
 def run_episode(
     session: AgentSession,
-    question: Question,
+    question: Any,
     max_steps: int = 8,
     max_new_tokens: int = 64,
     max_retries: int = 1,
     max_context: int | None = None,
     on_turn: Callable[[Turn], None] | None = None,
+    benchmark: Benchmark = HOTPOTQA,
 ) -> Episode:
-    """Answer ``question`` with the three agents taking turns on ``session``'s one trajectory.
+    """Answer ``question`` (one of ``benchmark``'s) with the three agents taking turns on
+    ``session``'s one trajectory; the first piece and the tools are the benchmark's.
 
     A step is one plan turn (plus the action turn it calls for). ``Finish[answer]`` is followed
     by a reflect turn; ``Reflect[wrong]`` starts another attempt, at most ``max_retries`` times.
     Stops cleanly (``Episode.stop_reason``) on ``Reflect[right]``, exhausted retries, an
     unparseable verdict, ``max_steps`` steps, or when the next piece would not fit in
     ``max_context`` tokens (default: ``session.max_context`` if it has one, else unbounded).
-    The answer is the last ``Finish`` argument ("" if none); EM / F1 are against the gold answer.
+    The answer is the last ``Finish`` argument ("" if none), scored by ``benchmark.score``
+    (HotpotQA: EM / F1 against the gold answer; ScienceQA: option accuracy).
     """
     start = time.perf_counter()
     if max_context is None:
         max_context = getattr(session, "max_context", None)
-    run = _Runner(session, question, max_new_tokens, max_context, on_turn)
+    run = _Runner(session, question, max_new_tokens, max_context, on_turn, benchmark)
     episode = run.episode
     retries = 0
     try:
-        run.append(prompt.header(question.question))
+        run.append(benchmark.header(question))
         while True:
             if episode.steps >= max_steps:
                 raise _Stop("max_steps")
@@ -183,8 +190,8 @@ def run_episode(
     except _Stop as stop:
         episode.stop_reason = str(stop)
     episode.answer = episode.answers[-1] if episode.answers else ""
-    episode.em = exact_match(episode.answer, question.answer) if question.answer else 0.0
-    episode.f1 = f1(episode.answer, question.answer) if question.answer else 0.0
+    for metric, value in benchmark.score(episode.answer, question).items():
+        setattr(episode, metric, value)
     episode.wall_s = time.perf_counter() - start
     logger.debug("episode %s: %s after %d steps", question.id, episode.stop_reason, episode.steps)
     return episode

@@ -46,9 +46,9 @@ class Piece:
     text: str
 
 
-def header(question: str) -> str:
-    """The first piece: the instruction naming the tools, then the question."""
-    return f"{INSTRUCTION}\nQuestion: {question}\n"
+def header(question: str, instruction: str = INSTRUCTION) -> str:
+    """The first piece: the instruction naming the tools (HotpotQA's by default), then the question."""
+    return f"{instruction}\nQuestion: {question}\n"
 
 
 def plan_text(thought: str, action_type: str) -> str:

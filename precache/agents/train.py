@@ -1,6 +1,7 @@
-"""Train one LoRA adapter per role (plan, action, reflect) on gold HotpotQA trajectories.
+"""Train one LoRA adapter per role (plan, action, reflect) on gold trajectories of a benchmark.
 
-Each training sequence is a gold trajectory (:mod:`precache.agents.gold`) over a TRAIN question,
+Each training sequence is a gold trajectory (HotpotQA: :mod:`precache.agents.gold`; ScienceQA:
+:mod:`precache.agents.scienceqa_tools`) over a TRAIN question of the benchmark,
 tokenized piece by piece with ``add_special_tokens=False`` exactly as the loop appends and
 generates it. A role's adapter is trained with the loss on that role's own pieces only
 (labels are -100 everywhere else). HF transformers + PEFT on the base checkpoint; adapters are
@@ -20,8 +21,7 @@ from pathlib import Path
 import torch
 
 from precache.agents import prompt
-from precache.agents.data import load_questions
-from precache.agents.gold import gold_trajectories
+from precache.agents.benchmark import HOTPOTQA, Benchmark
 from precache.terminal import progress
 
 logger = logging.getLogger(__name__)
@@ -66,8 +66,10 @@ def tokenize_pieces(tokenizer, pieces: list[prompt.Piece], role: str) -> tuple[l
     return input_ids[: last + 1], labels[: last + 1]
 
 
-def _examples(tokenizer, role: str, epoch_seed: int, max_tokens: int) -> list[tuple[list[int], list[int]]]:
-    trajectories = gold_trajectories(load_questions("train"), seed=epoch_seed)
+def _examples(
+    tokenizer, role: str, epoch_seed: int, max_tokens: int, benchmark: Benchmark
+) -> list[tuple[list[int], list[int]]]:
+    trajectories = benchmark.gold_trajectories(benchmark.load_questions("train"), seed=epoch_seed)
     examples = [tokenize_pieces(tokenizer, pieces, role) for pieces in trajectories]
     return [(ids[:max_tokens], labels[:max_tokens]) for ids, labels in examples if ids]
 
@@ -100,11 +102,11 @@ def _collate(batch: list, pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
 
-def _batches_forever(tokenizer, role: str, config: TrainConfig):
+def _batches_forever(tokenizer, role: str, config: TrainConfig, benchmark: Benchmark):
     rng = random.Random(config.seed)
     epoch = 0
     while True:  # fresh gold trajectories each epoch: other negatives and thought templates
-        examples = _examples(tokenizer, role, config.seed * 1000 + epoch, config.max_tokens)
+        examples = _examples(tokenizer, role, config.seed * 1000 + epoch, config.max_tokens, benchmark)
         yield from _length_bucketed_batches(examples, config.batch_size, rng)
         epoch += 1
 
@@ -117,8 +119,11 @@ def _lr_factor(step: int, config: TrainConfig) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def train_role(base_path: Path, role: str, config: TrainConfig, out_dir: Path) -> list[float]:
-    """Train and save the adapter of one role under ``out_dir``; returns the loss per step."""
+def train_role(
+    base_path: Path, role: str, config: TrainConfig, out_dir: Path, benchmark: Benchmark = HOTPOTQA
+) -> list[float]:
+    """Train and save the adapter of one role under ``out_dir`` on ``benchmark``'s train split;
+    returns the loss per step."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -138,7 +143,7 @@ def train_role(base_path: Path, role: str, config: TrainConfig, out_dir: Path) -
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    batches = _batches_forever(tokenizer, role, config)
+    batches = _batches_forever(tokenizer, role, config, benchmark)
     losses: list[float] = []
     with progress(config.steps, f"{config.targets}/{role}") as advance:
         for step in range(config.steps):
@@ -164,8 +169,10 @@ def train_adapters(
     steps: int = 60,
     seed: int = 0,
     roles: tuple[str, ...] = prompt.ROLES,
+    benchmark: Benchmark = HOTPOTQA,
 ) -> Path:
-    """Train the plan / action / reflect adapters of one set into ``out_dir/<role>/``.
+    """Train the plan / action / reflect adapters of one set into ``out_dir/<role>/`` on the
+    gold trajectories of ``benchmark``'s train split.
 
     ``targets``: ``"qv"`` (q_proj, v_proj) or ``"all"`` (the seven projections); rank 8,
     alpha 16. Writes ``out_dir/TRAINING.json`` (config, seconds and loss curve per role).
@@ -181,9 +188,11 @@ def train_adapters(
     out = Path(out_dir)
     base_path = embedded_checkpoint()
     report: dict = {"config": asdict(config), "base_model": BASE_MODEL_ID, "roles": {}}
+    if benchmark is not HOTPOTQA:
+        report["benchmark"] = benchmark.name
     for role in roles:
         start = time.perf_counter()
-        losses = train_role(base_path, role, config, out / role)
+        losses = train_role(base_path, role, config, out / role, benchmark)
         report["roles"][role] = {
             "seconds": round(time.perf_counter() - start, 1),
             "loss_first": round(losses[0], 4),
