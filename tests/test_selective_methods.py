@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from precache.cache.plan import Recompute
-from precache.engine.scheduler import Scheduler
+from precache.engine.scheduler import Scheduler, SchedulerConfig
 from precache.methods import SELECTIVE_METHODS, make_method
 from precache.methods.cacheblend import CacheBlend
 from precache.methods.droidspeak import DroidSpeak, profile, read_profile, save_profile
@@ -252,6 +252,42 @@ def test_concurrent_sessions_equal_sequential_ones(tiny, method):
     for a, b in zip(alone, batched, strict=True):
         for (ids_a, logits_a), (ids_b, logits_b) in zip(a, b, strict=True):
             assert ids_a == ids_b and (logits_a - logits_b).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("method", SELECTIVE_METHODS)
+def test_chunked_prefill_gives_the_same_turns(tiny, method):
+    """The recompute row rides with the turn's first chunk; later chunks read the blended view."""
+    model, dirs, _ = tiny
+    _, whole = run_script(make_engine(model, dirs, method))
+    engine = make_engine(model, dirs, method, block_size=4)
+    engine.scheduler.config = SchedulerConfig(max_step_tokens=3)
+    _, chunked = run_script(engine)
+    for a, b in zip(whole, chunked, strict=True):
+        assert a.token_ids == b.token_ids and (a.first_logits - b.first_logits).abs().max() <= TOL
+        assert b.prefill_tokens == a.prefill_tokens
+
+
+@pytest.mark.parametrize("method", SELECTIVE_METHODS)
+def test_the_first_chunk_plans_the_recompute_each_time_it_is_asked(tiny, method):
+    """The scheduler may ask for a step's plans again when the pool had no room: planning has no
+    side effect, so the recompute row is planned again, and never with a later chunk."""
+    model, dirs, _ = tiny
+    engine = make_engine(model, dirs, method)
+    s = engine.session()
+    s.append(list(range(1, 13)))
+    s.generate(agent="plan", max_new_tokens=3, temperature=0.0)
+    s.append(list(range(30, 36)))
+    m, st = s.method, s.state
+    m.reuse_prefix(st, "action", s.token_ids)
+    m.begin_turn(st, "action")
+    t0 = st.turn_start
+    asked = [m.plans(st, "action", s.token_ids[t0 : t0 + 2], t0) for _ in range(2)]
+    later = m.plans(st, "action", s.token_ids[t0 + 2 :], t0 + 2)
+    for plans in asked:
+        assert [p.recompute is not None for p in plans] == [False, True]
+        assert plans[1].token_ids == s.token_ids[:t0] and plans[1].prefill_cost < t0
+    assert [p.recompute for p in later] == [None]
+    m.end_turn(st, "action", s.token_ids)
 
 
 @pytest.mark.parametrize("method", SELECTIVE_METHODS)

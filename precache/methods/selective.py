@@ -31,10 +31,9 @@ from precache.models.contract import LayerInput
 @dataclass
 class SelectiveState(CacheState):
     """:class:`CacheState` plus the trajectory's token ids as the last turn opened on them
-    (``token_ids``, the recompute row's input) and whether the open turn still owes its recompute."""
+    (``token_ids``, the recompute row's input)."""
 
     token_ids: list[int] = field(default_factory=list)
-    recompute_due: bool = False
 
 
 def check_fraction(rho: float, what: str = "rho") -> float:
@@ -117,11 +116,10 @@ class SelectiveRecompute(FullShared):
     def begin_turn(self, state: SelectiveState, agent: str | None) -> None:
         super().begin_turn(state, agent)
         state.turn = state.full["shared"].fork()
-        state.recompute_due = state.turn_start > 0
 
     def end_turn(self, state: SelectiveState, agent: str | None, trajectory: list[int]) -> list[RowPlan]:
         state.turn.release()
-        state.turn, state.recompute_due = None, False
+        state.turn = None
         return super().end_turn(state, agent, trajectory)
 
     def view_kv(self, state, agent, layer, end):
@@ -136,9 +134,8 @@ class SelectiveRecompute(FullShared):
         shared, view = state.full["shared"], state.turn
         end, adapter = pos0 + len(token_ids), self.adapter(agent)
         out = [RowPlan(token_ids, pos0, adapter, [FullWrite(shared), FullWrite(view)], [View(view, 0, end)])]
-        if state.recompute_due and pos0 == state.turn_start:
-            state.recompute_due = False
-            t0 = state.turn_start
+        t0 = state.turn_start
+        if pos0 == t0 > 0:  # the turn's first prefill chunk (plans may be asked again before it runs)
             rc = self.recompute(state, agent, t0)
             if rc is not None:
                 reused = state.token_ids[:t0]
