@@ -137,7 +137,6 @@ def _run(args: argparse.Namespace) -> int:
     check_method(args.method)
     benchmark = get_benchmark(args.benchmark)
     _hotpotqa_only(benchmark, args, ("paragraphs", "answer"))
-    adapters = adapter_set(benchmark.adapters(args.adapters), prompt.ROLES)
     if benchmark.name != "hotpotqa":
         question = benchmark.get_question(args.question)
     elif args.paragraphs:
@@ -149,6 +148,7 @@ def _run(args: argparse.Namespace) -> int:
             question = get_question(args.question)
         except DatasetError as exc:
             raise DatasetError(f"{exc}; pass --paragraphs FILE to ask a question of your own") from None
+    adapters = adapter_set(benchmark.adapters(args.adapters), prompt.ROLES)
     engine = _engine(args, args.method, adapters)
     episode = run_episode(
         engine.session(),

@@ -72,7 +72,7 @@ class ScienceQuestion:
 
 def ocr_words(value: str) -> str:
     """The OCR words of an AutoAct ``orc`` field (Python repr of ``[(box, word, confidence), ...]``),
-    joined by spaces in the given order; ``"[]"`` -> ``""``.
+    each stripped, blank ones dropped, joined by spaces in the given order; ``"[]"`` -> ``""``.
 
     Raises:
         ValueError: not such a list.
