@@ -37,8 +37,9 @@ class AgentSession(Protocol):
 class Episode:
     """The result of :func:`run_episode`. ``stop_reason`` is one of ``STOP_REASONS``.
 
-    ``em`` / ``f1`` are HotpotQA's scores; ``accuracy`` is ScienceQA's option accuracy (None on
-    a benchmark that does not measure it, and then left out of :meth:`to_dict`).
+    ``em`` / ``f1`` are HotpotQA's scores (left at 0.0 on ScienceQA); ``accuracy`` is
+    ScienceQA's option accuracy (None on a benchmark that does not measure it, and then left out
+    of :meth:`to_dict`).
     """
 
     question_id: str
