@@ -4,6 +4,7 @@ replayed through the loop, and `precache eval --benchmark scienceqa` on a tiny r
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import random
 
@@ -33,6 +34,7 @@ from precache.agents.scienceqa_tools import (
     gold_trajectory,
 )
 from precache.cli import main
+from precache.errors import AdapterError
 from tests.test_agents_loop import FakeSession
 from tests.tiny import save_random_adapter, tiny_hf_config
 
@@ -104,6 +106,11 @@ def test_missing_files_and_unknown_names(monkeypatch, tmp_path):
         load_questions("test")
     with pytest.raises(UnknownBenchmarkError, match="choose from hotpotqa, scienceqa"):
         get_benchmark("gsm8k")
+    with pytest.raises(
+        AdapterError, match="train it with `precache adapters train --benchmark scienceqa --set all`"
+    ):
+        dataclasses.replace(SCIENCEQA, adapter_root=tmp_path / "none").adapters("all")
+    assert HOTPOTQA.adapters("qv").endswith("smollm2-135m/qv") and SCIENCEQA.adapters("my/dir") == "my/dir"
     monkeypatch.setenv("PRECACHE_DATA", str(tmp_path))
     with pytest.raises(DatasetError, match="grade1-4.json, grade5-8.json not found"):
         load_questions("dev")

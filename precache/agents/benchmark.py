@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from precache.agents import data, gold, prompt, scienceqa, scienceqa_tools
 from precache.agents.scoring import exact_match, f1, normalize_answer
 from precache.agents.tools import StepResult, ToolEnv
-from precache.errors import PrecacheError
+from precache.errors import AdapterError, PrecacheError
 from precache.resources import ADAPTER_ROOT, ADAPTER_SETS
 
 
@@ -51,8 +51,20 @@ class Benchmark:
     adapter_root: Path
 
     def adapters(self, name_or_dir: str) -> str:
-        """A committed set name (``qv``, ``all``) as this benchmark's folder; a folder as given."""
-        return str(self.adapter_root / name_or_dir) if name_or_dir in ADAPTER_SETS else name_or_dir
+        """A committed set name (``qv``, ``all``) as this benchmark's folder; a folder as given.
+
+        Raises:
+            AdapterError: the named set was not trained for this benchmark (the message says how).
+        """
+        if name_or_dir not in ADAPTER_SETS:
+            return name_or_dir
+        folder = self.adapter_root / name_or_dir
+        if not folder.is_dir():
+            raise AdapterError(
+                f"no {name_or_dir} adapter set for {self.name} under {folder} (train it with "
+                f"`precache adapters train --benchmark {self.name} --set {name_or_dir}`, or pass --adapters DIR)"
+            )
+        return str(folder)
 
 
 def _scienceqa_key(answer: str, question: scienceqa.ScienceQuestion) -> str:
