@@ -238,14 +238,16 @@ class PlannedAttention:
         self.layouts: list[Layout] = [[(p.pos0, p.end, p.row.start)] for p in plans]
         self.meta = _metadata(model, plans, self.layouts)
         self.writes: list[_WriteGroup] = []
+        self._recompute = [i for i, p in enumerate(plans) if p.recompute is not None]
         self._writing: tuple | None = None
         self._selected: dict[int, torch.Tensor] = {}
 
     def attend(self, x: LayerInput) -> torch.Tensor:
         layer = x.layer
-        writing = tuple(p.recompute is None or layer >= p.recompute.first_write for p in self.plans)
+        writing = tuple(layer >= self.plans[i].recompute.first_write for i in self._recompute)
         if writing != self._writing:
-            self.writes, self._writing = _write_groups(self.plans, self.layouts, writing), writing
+            idle = {i for i, on in zip(self._recompute, writing, strict=True) if not on}
+            self.writes, self._writing = _write_groups(self.plans, self.layouts, idle), writing
         for g in self.writes:
             if g.kind == "lr":
                 lk, lv = lr_entries(x, g.src, g.adapter)
@@ -261,9 +263,9 @@ class PlannedAttention:
                 k, v = x.adapted_kv(g.src, g.adapter)
             g.pool.k[layer][g.dst] = k
             g.pool.v[layer][g.dst] = v
-        for i, plan in enumerate(self.plans):
-            rc, runs = plan.recompute, self.layouts[i]
-            if rc is not None and rc.select_layer == layer and runs:
+        for i in self._recompute:
+            rc, runs = self.plans[i].recompute, self.layouts[i]
+            if rc.select_layer == layer and runs:
                 n = sum(e - s for s, e, _ in runs)
                 rows = slice(runs[0][2], runs[0][2] + n)
                 self._selected[i] = rc.select(x, rows, _positions(runs))
@@ -276,12 +278,8 @@ class PlannedAttention:
         Raises:
             ValueError: a selection returned another number of tokens than its ``kept``.
         """
-        if not any(
-            p.recompute is not None
-            and self.layouts[i]
-            and layer in (p.recompute.select_layer, p.recompute.end_layer)
-            for i, p in enumerate(self.plans)
-        ):
+        rcs = [(i, self.plans[i].recompute) for i in self._recompute if self.layouts[i]]
+        if not any(layer in (rc.select_layer, rc.end_layer) for _, rc in rcs):
             return None
         device = self.model.device
         keep, rows, layouts, start = [], [], [], 0
@@ -352,14 +350,12 @@ def _reserve(plans: list[RowPlan]) -> None:
                 _paged(w).prepare_write(start, plan.end)
 
 
-def _write_groups(
-    plans: list[RowPlan], layouts: list[Layout], writing: tuple[bool, ...]
-) -> list[_WriteGroup]:
-    """Resolve the writes of the rows that write at this layer (``writing[i]``) to pool rows and
-    merge the writes of one kind (one pool, one adapter) across rows."""
+def _write_groups(plans: list[RowPlan], layouts: list[Layout], idle: set[int]) -> list[_WriteGroup]:
+    """Resolve the writes of every row but the ``idle`` ones (recompute rows that write nothing at
+    this layer) to pool rows and merge the writes of one kind (one pool, one adapter) across rows."""
     groups: dict[tuple, tuple[RowPlan, object, list, list]] = {}
-    for plan, runs, on in zip(plans, layouts, writing, strict=True):
-        if not on:
+    for i, (plan, runs) in enumerate(zip(plans, layouts, strict=True)):
+        if i in idle:
             continue
         for w in plan.writes:
             start = _write_start(plan, w)
