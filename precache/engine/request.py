@@ -44,7 +44,8 @@ class Turn:
     from the turn's opening to its first token, ``decode_s`` from there to the last token,
     ``neutral_s`` the post-turn pass (ReBaseShared LP's neutral prefill of ``neutral_tokens``
     tokens, outside the next turn's TTFT). ``prefill_tokens`` counts every row of the prefill
-    forwards (ReBaseShared DB's neutral row included). ``appended``: the ids appended to the
+    forwards (ReBaseShared DB's neutral row included; a selective-recompute row counts its
+    recomputed token-layers over the layer count, rounded up: ``RowPlan.prefill_cost``). ``appended``: the ids appended to the
     trajectory since the session's previous turn; ``prompt_tokens``: trajectory length when the
     turn opened; ``cached_tokens``: the first position the turn prefilled (prompt tokens read from
     the cache). ``kv_bytes``: the session's cache bytes once the turn is over. ``first_logits``
