@@ -260,6 +260,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     check.add_argument("--set", nargs="+", choices=ADAPTER_SETS, default=["qv"], help="one or both sets")
     check.add_argument("--limit", type=int, default=20, help="dev questions to check")
     check.set_defaults(func=_check)
+    from precache.methods.droidspeak import add_profile_command
+
+    add_profile_command(adapters_sub)  # `adapters profile-droidspeak` (DroidSpeak's critical layers)
 
     run = sub.add_parser("run", help="answer one HotpotQA or ScienceQA question with the three agents")
     run.add_argument(

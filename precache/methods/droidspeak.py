@@ -232,39 +232,40 @@ def hotpotqa_calibration(tokenizer, n: int = 4, tokens: int = 128) -> list[list[
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m precache.methods.droidspeak --adapters qv|all|DIR [--model DIR] [--n-critical N]``:
-    profile the adapter set on the base model and write ``droidspeak.json`` next to the adapters."""
-    import argparse
-
+def _profile_command(args) -> int:
     from precache.lora.adapter import load_adapter
     from precache.models import load_model
     from precache.resources import adapter_set
 
-    parser = argparse.ArgumentParser(prog="python -m precache.methods.droidspeak", description=main.__doc__)
-    parser.add_argument("--adapters", default="qv", help="qv | all (committed sets) | DIR with DIR/<agent>/")
-    parser.add_argument("--model", help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--n-critical", type=int, default=None, help="layers in the range (default: L / 3)")
-    args = parser.parse_args(argv)
-    folders = adapter_set(args.adapters)
+    folders = adapter_set(args.adapters)  # checked before the model loads
     model = load_model(args.model)
     adapters = {a: load_adapter(folder, model.config, a) for a, folder in folders.items()}
     calibration = hotpotqa_calibration(model.tokenizer)
     path = save_profile(model, adapters, n_critical=args.n_critical, calibration=calibration)
-    data = json.loads(path.read_text())
-    logger.warning("wrote %s: critical layers %s", path, data["layers"])
+    logger.warning("wrote %s: critical layers %s", path, json.loads(path.read_text())["layers"])
     return 0
+
+
+def add_profile_command(adapters_sub) -> None:
+    """Register ``precache adapters profile-droidspeak --adapters qv|all|DIR [--model DIR]
+    [--n-critical N]``: profile the adapter set on the base model (:func:`hotpotqa_calibration`)
+    and write ``droidspeak.json`` next to the adapters."""
+    p = adapters_sub.add_parser(
+        "profile-droidspeak", help="DroidSpeak's critical layers for an adapter set (droidspeak.json)"
+    )
+    p.add_argument("--adapters", default="qv", help="qv | all (committed sets) | DIR with DIR/<agent>/")
+    p.add_argument("--model", help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--n-critical", type=int, default=None, help="layers in the range (default: L / 3)")
+    p.set_defaults(func=_profile_command)
 
 
 __all__ = [
     "PROFILE_FILE",
     "DroidSpeak",
+    "add_profile_command",
     "hotpotqa_calibration",
     "profile",
     "profile_path",
     "read_profile",
     "save_profile",
 ]
-
-if __name__ == "__main__":
-    raise SystemExit(main())
