@@ -56,10 +56,12 @@ class DroidSpeak(SelectiveRecompute):
             if stored is not None and stored.is_file():
                 layers = read_profile(stored, model, self.adapters)["layers"]
             else:
-                layers = profile(model, self.adapters)["layers"]
-                logger.info(
-                    "droidspeak: critical layers %s profiled at start-up (no %s)", layers, PROFILE_FILE
+                logger.warning(
+                    "droidspeak: no %s next to the adapters; profiling on random tokens now (store one with "
+                    "`precache adapters profile-droidspeak`)",
+                    PROFILE_FILE,
                 )
+                layers = profile(model, self.adapters)["layers"]
         self.layers = check_layer_range(layers, num_layers)
 
     def recompute(self, state, agent, n):
