@@ -8,6 +8,7 @@ what runs after the turn (:meth:`SharingMethod.end_turn`). It never touches the 
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -19,6 +20,8 @@ from precache.cache.pool import DEFAULT_BLOCK_SIZE, KVPool, LRView, PagedStore
 from precache.cache.prefix import PrefixChain, attach, publish
 from precache.errors import AdapterError, CacheIntegrityError
 from precache.lora.adapter import LoRAAdapter
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,12 +50,35 @@ class CacheState:
         return [s for s in out if s is not None]
 
 
+#: share of a GPU's free memory the default block pool may take (the rest: activations, logits)
+GPU_POOL_SHARE = 0.85
+
+
+def device_capped(nbytes: int, device: torch.device | str) -> int:
+    """``nbytes``, or at most :data:`GPU_POOL_SHARE` of ``device``'s free memory on CUDA (measured
+    with ``torch.cuda.mem_get_info`` after the weights are loaded, as vLLM sizes its KV cache from
+    ``gpu_memory_utilization``). Host memory is not probed: a CPU pool takes ``nbytes``."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return nbytes
+    free, _total = torch.cuda.mem_get_info(device)
+    cap = int(free * GPU_POOL_SHARE)
+    if cap < nbytes:
+        logger.info(
+            "default KV pool capped at %.1f GiB (%.0f%% of free GPU memory)",
+            cap / 2**30,
+            100 * GPU_POOL_SHARE,
+        )
+    return min(nbytes, cap)
+
+
 class SharingMethod(ABC):
     """Base class: holds the model, the loaded adapters by agent name, and the block pool every
     trajectory's caches live in (``self.pool``, a :class:`~precache.cache.pool.KVPool`).
 
     ``kv_cache_bytes`` bounds the pool (bytes; default: room for ``n_agents + 2`` full-context
-    caches, so one trajectory at the context length fits under every method); ``block_size`` is
+    caches, so one trajectory at the context length fits under every method, capped on a GPU by
+    :func:`device_capped`); ``block_size`` is
     in tokens; ``prefix_caching`` lets a new trajectory take back the blocks another one published
     for the same token prefix (:meth:`reuse_prefix`; off for benchmarks that replay one stream
     several times). ``agent=None`` everywhere means the base model with no adapter.
@@ -100,7 +126,7 @@ class SharingMethod(ABC):
             itemsize = torch.finfo(model.dtype).bits // 8
             token_bytes = c.num_layers * (2 * c.num_kv_heads * c.head_dim + sum(map(sum, lr_ranks.values())))
             blocks = (len(adapters) + 2) * -(-model.max_context // block_size)
-            kv_cache_bytes = blocks * block_size * token_bytes * itemsize
+            kv_cache_bytes = device_capped(blocks * block_size * token_bytes * itemsize, model.device)
         self.pool = KVPool(
             c.num_layers,
             c.num_kv_heads,
