@@ -351,6 +351,9 @@ def test_droidspeak_profile_is_stored_with_the_adapters_and_checked(tiny, tmp_pa
     stored = json.loads(path.read_text())
     assert stored["layers"][0] == stored["layers"][1] == max(range(3), key=stored["layer_errors"].__getitem__)
     assert read_profile(path, model, adapters)["layers"] == stored["layers"]
+    single = profile(model, {"plan": adapters["plan"]}, n_critical=1)  # against the base model
+    assert single["adapters"] == ["plan"] and sum(single["layer_errors"]) > 0 and single["layers"] is not None
+    assert profile(model, {})["layers"] is None  # nothing can deviate: no recompute
     stored["adapters"] = ["plan", "other"]
     path.write_text(json.dumps(stored))
     with pytest.raises(ValueError, match="droidspeak.json profiles"):

@@ -62,9 +62,11 @@ class DroidSpeak(SelectiveRecompute):
                     PROFILE_FILE,
                 )
                 layers = profile(model, self.adapters)["layers"]
-        self.layers = check_layer_range(layers, num_layers)
+        self.layers = None if layers is None else check_layer_range(layers, num_layers)
 
     def recompute(self, state, agent, n):
+        if self.layers is None:  # no adapter: every entry is the base model's own
+            return None
         first, last = self.layers
         return Recompute(self.model.config.num_layers, first_write=first, last_layer=last)
 
@@ -133,17 +135,23 @@ def profile(
     c's own K/V at every layer and p_c,l reads j's at layer l only. ``layers`` is the contiguous
     window of ``n_critical`` layers (default ``ceil(L / 3)``) with the largest summed error.
 
-    Returns ``{"num_layers", "adapters", "layer_errors": [L floats, nats], "layers": [first, last]}``.
+    With a single adapter the pair is that adapter and the base model (a turn with ``agent=None``
+    reads the adapter's entries); with none, no cache entry can deviate: zero errors and
+    ``layers`` None (nothing to recompute).
+
+    Returns ``{"num_layers", "adapters", "layer_errors": [L floats, nats], "layers": [first, last] | None}``.
 
     Raises:
-        ValueError: fewer than two adapters, or ``n_critical`` outside ``1..L``.
+        ValueError: ``n_critical`` outside ``1..L``.
     """
     num_layers = model.config.num_layers
     n_critical = math.ceil(num_layers / 3) if n_critical is None else n_critical
-    if len(adapters) < 2:
-        raise ValueError("a DroidSpeak profile needs at least two adapters (an author and a reader)")
     if not 1 <= n_critical <= num_layers:
         raise ValueError(f"n_critical must be in 1..{num_layers}, got {n_critical!r}")
+    names = sorted(adapters)
+    if not adapters:
+        return {"num_layers": num_layers, "adapters": [], "layer_errors": [0.0] * num_layers, "layers": None}
+    agents = dict(adapters) if len(adapters) > 1 else {**adapters, None: None}  # None: the base model
     if calibration is None:
         gen = torch.Generator().manual_seed(seed)
         vocab = model.config.vocab_size
@@ -153,9 +161,9 @@ def profile(
     for ids in calibration:
         split = len(ids) * 3 // 4
         prefix_ids, query = ids[:split], ids[split:]
-        own = {a: _run(model, prefix_ids, 0, ad, [None], record=True)[1] for a, ad in adapters.items()}
-        for c, reader in adapters.items():
-            for j in adapters:
+        own = {a: _run(model, prefix_ids, 0, ad, [None], record=True)[1] for a, ad in agents.items()}
+        for c, reader in agents.items():
+            for j in agents:
                 if j == c:
                     continue
                 # row 0 reads c's own K/V everywhere; row 1 + l reads j's at layer l only
@@ -172,7 +180,7 @@ def profile(
     first = max(range(len(sums)), key=sums.__getitem__)
     return {
         "num_layers": num_layers,
-        "adapters": sorted(adapters),
+        "adapters": names,
         "layer_errors": [round(float(e), 8) for e in errors],
         "layers": [first, first + n_critical - 1],
     }
@@ -194,7 +202,7 @@ def read_profile(path: Path, model, adapters: dict) -> dict:
     """
     try:
         data = json.loads(Path(path).read_text())
-        layers = [int(x) for x in data["layers"]]
+        layers = None if data["layers"] is None else [int(x) for x in data["layers"]]
         stored_layers, names = int(data["num_layers"]), sorted(data["adapters"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path} is not a DroidSpeak profile ({e})") from None
@@ -204,7 +212,8 @@ def read_profile(path: Path, model, adapters: dict) -> dict:
             f"{model.config.num_layers} layers, adapters {', '.join(sorted(adapters))} "
             f"(re-run `precache adapters profile-droidspeak`)"
         )
-    check_layer_range(layers, stored_layers)
+    if layers is not None:
+        check_layer_range(layers, stored_layers)
     return data
 
 
