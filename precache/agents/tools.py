@@ -18,8 +18,6 @@ import re
 import string
 from dataclasses import dataclass
 
-import bm25s
-
 from precache.agents.data import Question
 
 ACTION_TYPES = ("Retrieve", "Lookup", "Finish")
@@ -31,8 +29,14 @@ _ACTION_RE = re.compile(r"^\s*(\w+)\s*\[(.*)\]\s*$", re.DOTALL)
 _PARENTHETICAL_RE = re.compile(r"\s*\([^)]*\)")
 _PUNCT_TABLE = str.maketrans("", "", string.punctuation)
 
-# bm25s pins its logger to DEBUG at import and logs every index build; keep only warnings.
-logging.getLogger("bm25s").setLevel(logging.WARNING)
+
+def _bm25s():
+    """bm25s, imported when a HotpotQA tool environment is built (the core and the CLI's parser do
+    not need it). It pins its logger to DEBUG at import and logs every index build: keep warnings."""
+    import bm25s
+
+    logging.getLogger("bm25s").setLevel(logging.WARNING)
+    return bm25s
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class ToolEnv:
         self._paragraphs = {title: sentences for title, sentences in question.context}
         self._titles = list(self._paragraphs)
         corpus = [f"{title}. {''.join(sentences)}" for title, sentences in question.context]
+        bm25s = _bm25s()
         self._bm25 = bm25s.BM25()
         self._bm25.index(bm25s.tokenize(corpus, show_progress=False), show_progress=False)
         self.current_title: str | None = None
@@ -129,7 +134,7 @@ class ToolEnv:
         return self._bm25_title(entity)
 
     def _bm25_title(self, query: str) -> str | None:
-        tokens = bm25s.tokenize([query], show_progress=False)
+        tokens = _bm25s().tokenize([query], show_progress=False)
         if not tokens.ids or not tokens.ids[0]:
             return None  # only stopwords or punctuation
         docs, scores = self._bm25.retrieve(tokens, k=1, show_progress=False)
