@@ -26,6 +26,7 @@ import torch
 from precache.cache.attention import DECODE_MAX, AttentionBackend, BatchMetadata, KVRead, RowAttention
 from precache.cache.attention.torch_backend import TorchBackend, segment_at
 from precache.cache.pool import KVPool, LRView, PagedStore
+from precache.errors import ContextLengthError
 from precache.lora.adapter import LoRAAdapter
 from precache.models.contract import LayerInput, Narrowing, Row
 
@@ -441,6 +442,9 @@ def run_plans(
         plan.row = Row(start, start + len(plan.token_ids), plan.adapter)
         rows.append(plan.row)
         start += len(plan.token_ids)
+    last = max((p.end for p in batch), default=0) - 1  # checked here, on the host: no device sync
+    if last >= model.max_context:
+        raise ContextLengthError(f"position {last} is past the context length {model.max_context}")
     _reserve(batch)
     ids = torch.tensor([t for p in batch for t in p.token_ids], device=model.device)
     positions = torch.cat([torch.arange(p.pos0, p.end) for p in batch]).to(model.device)  # one copy

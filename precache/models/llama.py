@@ -178,10 +178,13 @@ class LlamaModel:
         ``logits_at`` then indexes the narrowed batch (a narrowing never moves a wanted token).
 
         Raises:
-            ContextLengthError: a position is past ``max_context``.
+            ContextLengthError: a position is past ``max_context`` (checked when ``positions`` is on
+                the host).
         """
         c = self.config
-        if positions.numel() and int(positions.max()) >= self.max_context:
+        # checked for host positions only: reading a device tensor's maximum would sync every
+        # forward (cache.plan.run_plans checks its batches on the host before the copy)
+        if positions.device.type == "cpu" and positions.numel() and int(positions.max()) >= self.max_context:
             raise ContextLengthError(
                 f"position {int(positions.max())} is past the context length {self.max_context}"
             )
