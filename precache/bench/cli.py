@@ -1,4 +1,4 @@
-"""Sub-commands ``precache bench trace | serve | capacity | decode | episodes`` and ``precache fidelity``.
+"""Sub-commands ``precache bench trace | serve | capacity | decode | episodes``, ``precache fidelity`` and ``precache study``.
 
 The model, adapters and engines are loaded only when a command runs.
 """
@@ -112,6 +112,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     add_bench_capacity(bench_sub)
     add_bench_decode(bench_sub)
     add_bench_episodes(bench_sub)
+    from precache.bench.study import add_study
+
+    add_study(sub)
     trace = bench_sub.add_parser("trace", help="replay an agent trace with every method, side by side")
     trace.add_argument(
         "--trace",

@@ -1,0 +1,99 @@
+"""The markdown report and PNG plots of ``precache study`` (:mod:`precache.bench.study`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from precache.bench.plots import plt, save_figure
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return str(value)
+
+
+def study_markdown(results: dict) -> str:
+    """Per run (benchmark / adapter set): the table, Figure 2's means over layers, the sweep."""
+    lines = []
+    for note in results.get("skipped", []):
+        lines.append(f"> {note}\n")
+    for key, run in results["runs"].items():
+        metrics = run["metrics"]
+        cols = [*metrics, *(f"{m}_drop" for m in metrics), "agreement", "turn_match"]
+        cols += ["first_kl", "mean_kl", "sum_ttft_s", "prefill_tokens"]
+        lines += [f"## {key} ({run['questions']} questions)", "", "| method | " + " | ".join(cols) + " |"]
+        lines.append("|---" * (len(cols) + 1) + "|")
+        for method, row in run["table"].items():
+            lines.append(f"| {method} | " + " | ".join(_fmt(row[c]) for c in cols) + " |")
+        mean = run["figure2"]["mean"]
+        lines += ["", "Figure 2 (mean over layers and transitions, relative to the current agent's own):", ""]
+        for method, values in mean.get("k_base_error", {}).items():
+            lines.append(f"- K base error, {method}: {_fmt(sum(values) / len(values))}")
+        for source, values in mean.get("hidden_error", {}).items():
+            lines.append(f"- hidden-state error, {source}: {_fmt(sum(values) / len(values))}")
+        lines.append(f"- layers where the neutral base is closer: {run['figure2']['neutral_closer_layers']}")
+        lines += [
+            "",
+            "| scale | method | mean_kl | agreement | " + metrics[0] + " |",
+            "|---|---|---|---|---|",
+        ]
+        for scale, point in run["sweep"].items():
+            for method, row in point["methods"].items():
+                lines.append(
+                    f"| {scale} | {method} | {_fmt(row['mean_kl'])} | {_fmt(row['agreement'])} | {_fmt(row[metrics[0]])} |"
+                )
+            beats = ", ".join(k for k, v in point["rebase_beats"].items() if v) or "none"
+            lines.append(f"| {scale} | ReBaseShared beats PreLRShared on | {beats} | | |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_study(results: dict, folder: str | os.PathLike) -> list[Path]:
+    """Three PNGs per run ``<benchmark>_<set>_``: ``table.png`` (accuracy drop against NonShared and
+    agreement per method), ``layers.png`` (Figure 2: K base error per method and hidden-state
+    errors per layer), ``sweep.png`` (mean KL, agreement and accuracy against the adapter scale).
+    Returns the paths."""
+    folder = Path(folder)
+    paths = []
+    for key, run in results["runs"].items():
+        stem = key.replace("/", "_").replace(os.sep, "_")
+        metric = run["metrics"][0]
+        methods = list(run["table"])
+        fig, (ax_drop, ax_agree) = plt.subplots(1, 2, figsize=(12, 4.5))
+        ax_drop.bar(methods, [run["table"][m][f"{metric}_drop"] for m in methods])
+        ax_agree.bar(methods, [run["table"][m]["agreement"] for m in methods])
+        ax_drop.set(ylabel=f"{metric} drop vs NonShared", title=key)
+        ax_agree.set(ylabel="answer agreement with NonShared", ylim=(0, 1.05), title=key)
+        for ax in (ax_drop, ax_agree):
+            ax.tick_params(axis="x", rotation=45)
+            ax.grid(alpha=0.3, axis="y")
+        paths.append(save_figure(fig, folder / f"{stem}_table.png"))
+        mean = run["figure2"]["mean"]
+        fig, (ax_k, ax_h) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for method, values in mean.get("k_base_error", {}).items():
+            ax_k.plot(values, marker="o", markersize=3, label=method)
+        for source, values in mean.get("hidden_error", {}).items():
+            ax_h.plot(values, marker="o", markersize=3, label=f"||h^{source[0]} - h^c|| / ||h^c||")
+        ax_k.set(xlabel="layer", ylabel="relative K base error", title="shared base cache vs own (Figure 2)")
+        ax_h.set(xlabel="layer", ylabel="relative hidden-state error", title="neutral vs previous agent")
+        for ax in (ax_k, ax_h):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        paths.append(save_figure(fig, folder / f"{stem}_layers.png"))
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+        scales = list(run["sweep"])
+        for method in ("prelrshared", "rebaseshared-lp"):
+            for ax, measure in zip(axes, ("mean_kl", "agreement", metric), strict=True):
+                values = [run["sweep"][s]["methods"].get(method, {}).get(measure) for s in scales]
+                if all(v is not None for v in values):
+                    ax.plot([float(s) for s in scales], values, marker="o", label=method)
+                ax.set(xlabel="adapter scale", ylabel=measure, title=f"{key}: {measure}")
+        for ax in axes:
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        paths.append(save_figure(fig, folder / f"{stem}_sweep.png"))
+    return paths

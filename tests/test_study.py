@@ -1,0 +1,185 @@
+"""``precache study``: Figure 2 errors against HF + PEFT hidden states, the adapter-strength sweep
+(scale 0 = NonShared), the table's fields, the plots and the command line."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from peft import PeftModel
+
+import precache
+from precache.agents import prompt
+from precache.agents.data import load_questions
+from precache.bench.study import matching_turns, plan_runs, scaled_adapter, transition_errors
+from precache.cli import main
+from precache.engine import Turn
+from precache.errors import AdapterError
+from precache.lora.adapter import load_adapter
+from tests.tiny import save_random_adapter, tiny_hf_config, tiny_hf_model
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+IDS = [3, 17, 42, 8, 65, 11, 29, 90, 4, 51, 33, 70]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny):
+    model, dirs, _ = tiny
+    return model, dirs, {a: load_adapter(d, model.config, a) for a, d in dirs.items()}
+
+
+def _relative(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.double() - ref.double()).norm() / ref.double().norm())
+
+
+def test_same_agent_transition_has_zero_prelrshared_error(loaded):
+    model, _, adapters = loaded
+    errors = transition_errors(model, IDS, adapters["plan"], adapters["plan"])
+    for method in ("prelrshared", "fullshared"):
+        assert errors["k_base_error"][method] == [0.0] * model.config.num_layers
+        assert errors["v_base_error"][method] == [0.0] * model.config.num_layers
+    assert errors["hidden_error"]["previous"] == [0.0] * model.config.num_layers
+    assert min(errors["hidden_error"]["neutral"][1:]) > 1e-3  # the neutral pass differs past layer 0
+    assert min(errors["k_base_error"]["rebaseshared"][1:]) > 1e-3
+
+
+def _hf_states(hf, adapter_dir):
+    """Per layer: the attention input ``h`` (input RMSNorm of HF's hidden state), base K and full K
+    before RoPE, from HF (+ PEFT, None: base model) with output_hidden_states."""
+    model = hf if adapter_dir is None else PeftModel.from_pretrained(copy.deepcopy(hf), str(adapter_dir))
+    with torch.no_grad():
+        hidden = model(torch.tensor([IDS]), output_hidden_states=True).hidden_states
+        layers = (model if adapter_dir is None else model.base_model.model).model.layers
+        out = []
+        for layer, x in zip(layers, hidden, strict=False):
+            h = layer.input_layernorm(x[0])
+            k_proj = layer.self_attn.k_proj
+            base = k_proj.base_layer if hasattr(k_proj, "base_layer") else k_proj
+            out.append({"h": h, "kb": base(h), "k": k_proj(h), "vb": None})
+    return out
+
+
+def test_transition_errors_match_hf_peft(loaded):
+    """One transition plan -> action against HF + PEFT hidden states (RoPE rotates both keys of a
+    position alike, so relative errors before RoPE equal those after it)."""
+    model, dirs, adapters = loaded
+    hf = tiny_hf_model("llama", seed=0, num_layers=3)  # the weights of the `tiny` fixture
+    own, prev, neutral = _hf_states(hf, dirs["action"]), _hf_states(hf, dirs["plan"]), _hf_states(hf, None)
+    errors = transition_errors(model, IDS, adapters["plan"], adapters["action"])
+    for layer in range(model.config.num_layers):
+        expected = {
+            "prelrshared": _relative(prev[layer]["kb"], own[layer]["kb"]),
+            "rebaseshared": _relative(neutral[layer]["kb"], own[layer]["kb"]),
+            "fullshared": _relative(prev[layer]["k"], own[layer]["k"]),
+        }
+        for method, value in expected.items():
+            assert errors["k_base_error"][method][layer] == pytest.approx(value, rel=1e-4, abs=1e-6)
+        assert errors["hidden_error"]["neutral"][layer] == pytest.approx(
+            _relative(neutral[layer]["h"], own[layer]["h"]), rel=1e-4, abs=1e-6
+        )
+        assert errors["hidden_error"]["previous"][layer] == pytest.approx(
+            _relative(prev[layer]["h"], own[layer]["h"]), rel=1e-4, abs=1e-6
+        )
+    assert errors["k_base_error"]["prelrshared"][-1] > 1e-3  # the check is not vacuous
+
+
+def test_scaled_adapter_is_a_scaled_copy(loaded):
+    _, _, adapters = loaded
+    plan = adapters["plan"]
+    before = {k: b.clone() for k, (_, b) in plan.weights.items()}
+    half = scaled_adapter(plan, 0.5)
+    for key, (a, b) in half.weights.items():
+        assert torch.equal(a, plan.weights[key][0]) and torch.allclose(b, 0.5 * before[key])
+        assert torch.equal(plan.weights[key][1], before[key])  # the loaded adapter is untouched
+    assert half.scaling == plan.scaling and half.rank == plan.rank
+
+
+def _turn(agent: str, appended: list[int], ids: list[int]) -> Turn:
+    return Turn(agent=agent, token_ids=ids, appended=tuple(appended))
+
+
+def test_matching_turns_stops_at_the_first_difference():
+    ref = [_turn("plan", [1, 2], [3]), _turn("action", [4], [5, 6]), _turn("plan", [7], [8])]
+    assert matching_turns(ref, ref) == 3
+    other = [ref[0], _turn("action", [4], [5, 9]), ref[2]]  # the third is equal but not compared
+    assert matching_turns(other, ref) == 1
+    assert matching_turns(ref[:2], ref) == 2
+
+
+def test_plan_runs_skips_sets_not_trained_for_a_benchmark():
+    runs, skipped = plan_runs("hotpotqa,scienceqa", "all")
+    assert [(b.name, name) for b, name, _ in runs] == [("hotpotqa", "all")]
+    assert len(skipped) == 1 and "no all adapter set for scienceqa" in skipped[0]
+    with pytest.raises(AdapterError, match="nothing to run"):
+        plan_runs("scienceqa", "all")
+
+
+def test_cli_refuses_bad_input_before_loading(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(precache, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    assert main(["study", "--methods", "nonshared,bogus", "--out", str(tmp_path)]) == 2
+    assert "UnknownMethodError: unknown method(s) bogus" in capsys.readouterr().err
+    assert main(["study", "--benchmark", "nope", "--out", str(tmp_path)]) == 2
+    assert "unknown benchmark 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["study", "--scales", "1,-1", "--out", str(tmp_path)])
+
+
+@pytest.fixture(scope="module")
+def smollm_vocab(tmp_path_factory):
+    """A 2-layer random Llama over the embedded SmolLM2 tokenizer, and random q/v role adapters."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from precache.models import model_from_hf
+    from precache.models.loader import embedded_checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_checkpoint())
+    config = tiny_hf_config("llama")
+    config.vocab_size, config.max_position_embeddings = len(tokenizer), 2048
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    root = tmp_path_factory.mktemp("study-adapters")
+    for i, role in enumerate(prompt.ROLES):
+        save_random_adapter(hf, root / role, r=4, seed=i + 1, scale=0.5)
+    return model_from_hf(hf, tokenizer=tokenizer), root
+
+
+def test_study_end_to_end(smollm_vocab, monkeypatch, tmp_path):
+    model, root = smollm_vocab
+    monkeypatch.setattr(precache, "load_model", lambda *a, **k: model)
+    methods = "nonshared,fullshared,prelrshared,rebaseshared-lp"
+    argv = ["study", "--benchmark", "hotpotqa", "--adapters", str(root), "--limit", "2", "--methods", methods]
+    argv += ["--scales", "0,1", "--max-steps", "2", "--max-new-tokens", "4", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "study.json").read_text(encoding="utf-8"))
+    run = result["runs"][f"hotpotqa/{root}"]
+    assert run["questions"] == 2 and list(run["table"]) == methods.split(",")
+    fields = {"em", "f1", "em_drop", "f1_drop", "agreement", "turn_match", "sum_ttft_s", "prefill_tokens"}
+    for row in run["table"].values():
+        assert fields | {"first_kl", "mean_kl", "top1"} <= set(row)
+    ns = run["table"]["nonshared"]
+    assert (
+        ns["agreement"] == 1.0 and ns["turn_match"] == 1.0 and ns["mean_kl"] == 0.0 and ns["em_drop"] == 0.0
+    )
+    assert ns["prefill_tokens"] > 0 and ns["sum_ttft_s"] > 0
+    dev = load_questions("dev")[:2]
+    assert len(ns["answers"]) == len(dev)
+    # DESIGN.md fact 1: scale 0 (every B = 0) makes every method NonShared
+    zero = run["sweep"]["0.0"]["methods"]
+    assert list(zero) == ["nonshared", "prelrshared", "rebaseshared-lp"]
+    for method, row in zero.items():
+        assert row["mean_kl"] < 1e-9 and row["top1"] == 1.0, method
+        assert row["agreement"] == 1.0 and row["turn_match"] == 1.0, method
+    assert run["sweep"]["1.0"]["methods"]["prelrshared"] == run["table"]["prelrshared"]
+    assert run["table"]["rebaseshared-lp"]["mean_kl"] > 0  # the adapters do change the answers' logits
+    fig2 = run["figure2"]
+    assert fig2["transitions"] and all(t["positions"] > 0 for t in fig2["transitions"])
+    layers = model.config.num_layers
+    assert all(len(v) == layers for v in fig2["mean"]["k_base_error"].values())
+    same = [t for t in fig2["transitions"] if t["previous"] == t["current"]]
+    assert all(t["k_base_error"]["prelrshared"] == [0.0] * layers for t in same)
+    pngs = sorted(tmp_path.glob("*.png"))
+    assert len(pngs) == 3 and all(p.read_bytes()[:8] == PNG_MAGIC for p in pngs)
+    markdown = (tmp_path / "study.md").read_text(encoding="utf-8")
+    assert "| nonshared | " in markdown and "ReBaseShared beats PreLRShared on" in markdown
