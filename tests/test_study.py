@@ -13,7 +13,8 @@ from peft import PeftModel
 import precache
 from precache.agents import prompt
 from precache.agents.data import load_questions
-from precache.bench.study import matching_turns, plan_runs, scaled_adapter, transition_errors
+from precache.bench.study import matching_turns, plan_runs, scaled_adapter
+from precache.bench.study_figure2 import transition_errors
 from precache.cli import main
 from precache.engine import Turn
 from precache.errors import AdapterError

@@ -8,7 +8,8 @@ Per benchmark x adapter set, on the questions of one split:
   (:func:`precache.agents.evaluate.summarize`), ``turn_match`` (:func:`matching_turns`), the sum of
   TTFT (seconds) and of prefill tokens over every turn, and the teacher-forced KL / top-1 of
   :mod:`precache.bench.fidelity` on the recorded NonShared trajectories;
-- the paper's Figure 2 diagnostic (:func:`transition_errors`) on those recorded trajectories;
+- the paper's Figure 2 diagnostic (:func:`~precache.bench.study_figure2.transition_errors`) on
+  those recorded trajectories;
 - the adapter-strength sweep: every adapter's B (and LoRA bias) scaled by each factor
   (:func:`scaled_adapter`), the same measures for NonShared, PreLRShared and ReBaseShared (LP).
 
@@ -23,18 +24,13 @@ import dataclasses
 import logging
 from pathlib import Path
 
-import torch
-
 from precache.bench.common import methods_with_reference, positive_int
-from precache.models import Row
-from precache.models.llama import DenseAttention
+from precache.bench.study_figure2 import figure2
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("plan", "action", "reflect")
 SWEEP_METHODS = ("nonshared", "prelrshared", "rebaseshared-lp")
-# Figure 2: the method whose shared cache is compared, and which forward wrote it (see transition_errors)
-FIGURE2_SOURCES = {"fullshared": "previous_full", "prelrshared": "previous", "rebaseshared": "neutral"}
 
 
 def scaled_adapter(adapter, factor: float):
@@ -44,106 +40,6 @@ def scaled_adapter(adapter, factor: float):
     weights = {key: (a, b * factor) for key, (a, b) in adapter.weights.items()}
     biases = {key: b * factor for key, b in adapter.biases.items()}
     return dataclasses.replace(adapter, weights=weights, biases=biases)
-
-
-class _Capture(DenseAttention):
-    """Dense attention that keeps, per layer and row, ``h`` and the base and adapted K/V."""
-
-    def __init__(self, rows: list[Row]):
-        super().__init__(rows)
-        self.layers: list[list[dict]] = []
-
-    def attend(self, x):
-        kb, vb = x.base_kv()
-        per_row = []
-        for row in self.rows:
-            k, v = x.adapted_kv(row.slice, row.adapter)
-            per_row.append({"h": x.h[row.slice], "kb": kb[row.slice], "vb": vb[row.slice], "k": k, "v": v})
-        self.layers.append(per_row)
-        return super().attend(x)
-
-
-def capture_states(model, token_ids: list[int], adapters: list) -> list[list[dict]]:
-    """Teacher-forced dense forwards of ``token_ids`` (positions from 0), one row per adapter
-    (None: the base model) in one batch. Returns ``[layer][row]`` dicts: ``h`` ``[n, hidden]``
-    (attention input after the input RMSNorm, DESIGN.md ``h_l``), ``kb`` / ``vb`` the base K (after
-    RoPE) / V ``h W_k``, ``h W_v`` ``[n, n_kv_heads, head_dim]``, ``k`` / ``v`` the adapted ones."""
-    n = len(token_ids)
-    rows = [Row(i * n, (i + 1) * n, adapter) for i, adapter in enumerate(adapters)]
-    ids = torch.tensor(token_ids * len(adapters), device=model.device)
-    positions = torch.arange(n, device=model.device).repeat(len(adapters))
-    capture = _Capture(rows)
-    model.forward(ids, positions, rows, capture)
-    return capture.layers
-
-
-def _relative(a: torch.Tensor, ref: torch.Tensor) -> float:
-    norm = ref.double().norm()
-    return float((a.double() - ref.double()).norm() / norm) if norm > 0 else 0.0
-
-
-def transition_errors(model, token_ids: list[int], previous, current) -> dict:
-    """The PReCache paper's Figure 2 quantities for one agent transition ``previous -> current``
-    (adapters; None = base model) over the shared positions ``token_ids``, per layer l:
-
-    - ``k_base_error[method][l] = ||K_method - K_own||_F / ||K_own||_F`` (likewise ``v_base_error``),
-      ``K_own = RoPE(h^c W_k)`` the base cache ``current`` builds from its own adapted hidden
-      states, ``K_method`` the shared entry the method hands it: PreLRShared ``RoPE(h^p W_k)``
-      (the previous agent's adapted forward), ReBaseShared ``RoPE(h^0 W_k)`` (adapter-free),
-      FullShared the previous agent's full cache ``RoPE(h^p (W_k + s A_p B_p))``, compared with
-      ``current``'s own full cache (the two base caches when no adapter has k_proj / v_proj).
-    - ``hidden_error["neutral"][l] = ||h^0 - h^c|| / ||h^c||`` and ``["previous"][l] =
-      ||h^p - h^c|| / ||h^c||``: the neutral base is the closer one exactly where the first is
-      smaller (the paper's appendix condition).
-
-    All positions are teacher-forced densely with one adapter per row (:func:`capture_states`).
-    """
-    layers = capture_states(model, token_ids, [current, previous, None])
-    own, prev, neutral = 0, 1, 2
-    sources = {"previous": (prev, "b"), "neutral": (neutral, "b"), "previous_full": (prev, "")}
-    out = {"k_base_error": {}, "v_base_error": {}, "hidden_error": {"neutral": [], "previous": []}}
-    for method, source in FIGURE2_SOURCES.items():
-        row, suffix = sources[source]
-        for side in ("k", "v"):
-            key = side + suffix
-            out[f"{side}_base_error"][method] = [_relative(L[row][key], L[own][key]) for L in layers]
-    out["hidden_error"]["neutral"] = [_relative(L[neutral]["h"], L[own]["h"]) for L in layers]
-    out["hidden_error"]["previous"] = [_relative(L[prev]["h"], L[own]["h"]) for L in layers]
-    return out
-
-
-def figure2(model, adapters: dict, trajectories: list[list]) -> dict:
-    """:func:`transition_errors` at every agent turn but the first of each recorded trajectory
-    (lists of :class:`~precache.engine.request.Turn`): ``previous`` is the agent of the turn before,
-    the shared positions are the trajectory before the turn's appended tokens. Returns
-    ``{"transitions": [{"previous", "current", "positions", **errors}], "mean": {...}}`` with the
-    means over transitions per layer, and ``neutral_closer_layers``: layers where the mean
-    ``hidden_error["neutral"]`` is below ``["previous"]``."""
-    transitions = []
-    for turns in trajectories:
-        tokens: list[int] = []
-        for i, turn in enumerate(turns):
-            if i > 0 and tokens:
-                prev = turns[i - 1].agent
-                errors = transition_errors(model, tokens, adapters.get(prev), adapters.get(turn.agent))
-                transitions.append(
-                    {"previous": prev, "current": turn.agent, "positions": len(tokens), **errors}
-                )
-            tokens += list(turn.appended) + list(turn.token_ids)
-    mean: dict = {}
-    for group in ("k_base_error", "v_base_error", "hidden_error"):
-        keys = transitions[0][group] if transitions else {}
-        mean[group] = {
-            key: [sum(v) / len(v) for v in zip(*(t[group][key] for t in transitions), strict=True)]
-            for key in keys
-        }
-    hidden = mean.get("hidden_error", {})
-    closer = [
-        i
-        for i, (a, b) in enumerate(zip(hidden.get("neutral", []), hidden.get("previous", []), strict=True))
-        if a < b
-    ]
-    return {"transitions": transitions, "mean": mean, "neutral_closer_layers": closer}
 
 
 def matching_turns(turns: list, reference: list) -> int:
@@ -320,6 +216,8 @@ def plan_runs(benchmarks: str, adapter_sets: str) -> tuple[list[tuple], list[str
 
 
 def _study(args: argparse.Namespace) -> int:
+    import torch
+
     import precache
     from precache.bench import report, study_plots
     from precache.lora.adapter import load_adapter
