@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 from pathlib import Path
 
 from precache.bench.common import methods_with_reference, positive_int
@@ -285,5 +286,7 @@ def add_study(sub: argparse._SubParsersAction) -> None:
     study.add_argument("--max-new-tokens", type=int, default=64, help="tokens per agent turn")
     study.add_argument("--model", help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
     study.add_argument("--out", required=True, help="folder for study.json, study.md and the PNGs")
-    study.add_argument("--threads", type=int, default=0, help="torch threads")
+    study.add_argument(
+        "--threads", type=int, default=int(os.environ.get("PRECACHE_THREADS", 0)), help="torch threads"
+    )
     study.set_defaults(func=_study)
