@@ -72,7 +72,7 @@ def method_row(episodes: list, reference: list, benchmark, questions: list, forc
     total = sum(len(r.turns) for r in reference)
     return {
         **{metric: summary[metric] for metric in benchmark.metrics},
-        "agreement": summary["agreement"],
+        "agreement": float(summary["agreement"]),
         "turn_match": matched / total if total else None,
         "sum_ttft_s": sum(t.ttft_s for t in turns),
         "prefill_tokens": sum(t.prefill_tokens for t in turns),
