@@ -100,16 +100,37 @@ def make_split(questions: list[Question], seed: int = SPLIT_SEED, dev_per_level:
     Within each level, ids are sorted, shuffled with ``random.Random(seed)`` and the first
     ``dev_per_level`` go to dev. Returns ``{"train": [ids], "dev": [ids]}`` in file order.
     """
+    return stratified_split(questions, lambda q: q.level, LEVELS, seed, dev_per_level)
+
+
+def stratified_split(questions: list, group_of, groups, seed: int, dev_per_group: int) -> dict:
+    """``{"train": [ids], "dev": [ids]}`` in file order: within each of ``groups`` (in order), the
+    ids of the questions with ``group_of(q) == group`` are sorted, shuffled with one
+    ``random.Random(seed)`` and the first ``dev_per_group`` go to dev (HotpotQA by level,
+    ScienceQA by grade band)."""
     rng = random.Random(seed)
     dev: set[str] = set()
-    for level in LEVELS:
-        ids = sorted(q.id for q in questions if q.level == level)
+    for group in groups:
+        ids = sorted(q.id for q in questions if group_of(q) == group)
         rng.shuffle(ids)
-        dev.update(ids[:dev_per_level])
+        dev.update(ids[:dev_per_group])
     return {
         "train": [q.id for q in questions if q.id not in dev],
         "dev": [q.id for q in questions if q.id in dev],
     }
+
+
+def select_split(questions: list, split: str, folder: Path, make) -> list:
+    """The questions of ``split`` (``"all"``: every one): ids from ``folder/split.json`` when it is
+    there, else from ``make(questions)``."""
+    if split == "all":
+        return questions
+    split_file = folder / "split.json"
+    if split_file.is_file():
+        ids = set(json.loads(split_file.read_text(encoding="utf-8"))[split])
+    else:
+        ids = set(make(questions)[split])
+    return [q for q in questions if q.id in ids]
 
 
 def load_questions(split: str = "dev") -> list[Question]:
@@ -121,15 +142,7 @@ def load_questions(split: str = "dev") -> list[Question]:
     if split not in SPLITS:
         raise DatasetError(f"unknown split {split!r} (choose from {', '.join(SPLITS)})")
     folder = hotpotqa_dir()
-    questions = list(_load_all(folder))
-    if split == "all":
-        return questions
-    split_file = folder / "split.json"
-    if split_file.is_file():
-        ids = set(json.loads(split_file.read_text(encoding="utf-8"))[split])
-    else:
-        ids = set(make_split(questions)[split])
-    return [q for q in questions if q.id in ids]
+    return select_split(list(_load_all(folder)), split, folder, make_split)
 
 
 def _kind(value) -> str:

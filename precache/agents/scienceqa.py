@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import ast
 import json
-import random
 import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from precache.agents.data import SPLITS, DatasetError, data_dir
+from precache.agents.data import SPLITS, DatasetError, data_dir, select_split, stratified_split
 from precache.agents.scoring import normalize_answer
 
 #: the grade bands, one file each, in load order
@@ -188,16 +187,7 @@ def make_split(
     and the first ``dev_per_band`` go to dev. Returns ``{"train": [ids], "dev": [ids]}`` in file
     order.
     """
-    rng = random.Random(seed)
-    dev: set[str] = set()
-    for band in BANDS:
-        ids = sorted(q.id for q in questions if q.band == band)
-        rng.shuffle(ids)
-        dev.update(ids[:dev_per_band])
-    return {
-        "train": [q.id for q in questions if q.id not in dev],
-        "dev": [q.id for q in questions if q.id in dev],
-    }
+    return stratified_split(questions, lambda q: q.band, BANDS, seed, dev_per_band)
 
 
 def load_questions(split: str = "dev") -> list[ScienceQuestion]:
@@ -209,15 +199,7 @@ def load_questions(split: str = "dev") -> list[ScienceQuestion]:
     if split not in SPLITS:
         raise DatasetError(f"unknown split {split!r} (choose from {', '.join(SPLITS)})")
     folder = scienceqa_dir()
-    questions = list(_load_all(folder))
-    if split == "all":
-        return questions
-    split_file = folder / "split.json"
-    if split_file.is_file():
-        ids = set(json.loads(split_file.read_text(encoding="utf-8"))[split])
-    else:
-        ids = set(make_split(questions)[split])
-    return [q for q in questions if q.id in ids]
+    return select_split(list(_load_all(folder)), split, folder, make_split)
 
 
 def get_question(question_id: str) -> ScienceQuestion:
