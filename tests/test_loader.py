@@ -159,3 +159,15 @@ def test_gguf_conversion_is_reused_by_content_and_redone_when_the_file_changes(
     changed = loader.resolve_checkpoint(a)
     assert changed != first and _source(changed) == "GGUFnew bytes, new size"
     assert recorded_conversions[-1] == a
+
+
+@pytest.mark.slow
+def test_the_embedded_model_keeps_its_name_after_a_fresh_conversion(tmp_path, monkeypatch):
+    """The conversion folder is named by a content hash; the model is still SmolLM2-135M-Instruct
+    (the served model id, and what the committed adapters' base_model_name_or_path names)."""
+    monkeypatch.setenv("PRECACHE_HOME", str(tmp_path))
+    folder = loader.embedded_checkpoint()
+    assert folder.name.startswith("gguf-")
+    assert loader.checkpoint_name(folder) == "SmolLM2-135M-Instruct"
+    other = loader.converted_checkpoint(loader.embedded_gguf_path())  # same content: the same folder
+    assert other == folder and loader.checkpoint_name(other) == "SmolLM2-135M-Instruct"

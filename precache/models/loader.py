@@ -65,9 +65,9 @@ def convert_gguf(gguf_file: Path, out_dir: Path, name: str | None = None) -> Pat
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.info("converting %s to safetensors under %s (once)", gguf_file, out_dir)
-    folder, name = str(gguf_file.parent), gguf_file.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    folder, file_name = str(gguf_file.parent), gguf_file.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file_name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file_name, dtype=torch.float32)
     fresh = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32)
     fresh.load_state_dict(gguf_model.state_dict())
     fresh.generation_config = gguf_model.generation_config
