@@ -10,6 +10,7 @@ import pytest
 from precache.bench.serve import add_bench_serve, run_serve_bench
 from precache.bench.trace import Trace, TraceTurn
 from precache.cli import build_parser, main
+from precache.errors import AdapterError
 from tests.test_server_support import char_tokenizer, tiny_with_tokenizer
 from tests.tiny import tiny_model
 
@@ -87,3 +88,22 @@ def test_bench_serve_command_writes_json_and_plot(tiny, tmp_path):
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["trace"] == "trace" and result["methods"]["rebaseshared-db"]["50.0"]["errors"] == 0
     assert (tmp_path / "ttft.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_serve_adapters_names_a_committed_set():
+    """serve --adapters qv serves the committed set's three agents; --lora-modules may add more but
+    not one of its names again."""
+    from precache.resources import adapter_set
+    from precache.server.cli import adapters_from_args
+
+    args = build_parser().parse_args(["serve", "--adapters", "qv"])
+    assert adapters_from_args(args) == {name: str(path) for name, path in adapter_set("qv").items()}
+    assert sorted(adapters_from_args(args)) == ["action", "plan", "reflect"]
+    extra = build_parser().parse_args(
+        ["serve", "--adapters", "qv", "--lora-modules", f"x={adapter_set('qv')['plan']}"]
+    )
+    assert sorted(adapters_from_args(extra)) == ["action", "plan", "reflect", "x"]
+    again = build_parser().parse_args(["serve", "--adapters", "qv", "--lora-modules", "plan=/a"])
+    assert main(["serve", "--adapters", "qv", "--lora-modules", "plan=/a"]) == 2
+    with pytest.raises(AdapterError, match="which --adapters already serves"):
+        adapters_from_args(again)

@@ -70,13 +70,21 @@ def lora_module(item: str) -> tuple[str, str]:
 
 
 def adapters_from_args(args: argparse.Namespace) -> dict[str, str]:
-    """``--lora-modules`` as ``{name: folder}``, checked before any model loads.
+    """``--adapters`` (a committed set or a folder of adapters, serve only) and ``--lora-modules``
+    as ``{name: folder}``, checked before any model loads.
 
     Raises:
         AdapterError: a name is given twice, or a folder holds no ``adapter_config.json``.
     """
     out: dict[str, str] = {}
+    if getattr(args, "adapter_set", None):  # serve --adapters NAME|DIR: every adapter of the set
+        from precache.resources import adapter_set
+
+        out = {name: str(path) for name, path in adapter_set(args.adapter_set).items()}
+    from_set = set(out)
     for name, path in args.lora_modules:
+        if name in from_set:
+            raise AdapterError(f"--lora-modules names the adapter '{name}', which --adapters already serves")
         if name in out:
             raise AdapterError(f"--lora-modules names the adapter '{name}' twice")
         out[name] = path
@@ -228,6 +236,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching and prefix reuse")
     add_engine_arguments(p)
+    p.add_argument(
+        "--adapters",
+        dest="adapter_set",
+        default=None,
+        metavar="NAME|DIR",
+        help="serve every adapter of a committed set (qv, all) or of DIR/<agent>/ (with --lora-modules: both)",
+    )
     p.add_argument("--method", default="prelrshared", choices=(*METHODS, "rebaseshared"))
     p.add_argument("--served-model-name", default=None, help="API id of the base model")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
