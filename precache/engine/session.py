@@ -151,6 +151,9 @@ class Session:
         ``ignore_eos``, ``logprobs``, ``logit_bias`` as ``{token id: bias}``, ...). The text follows
         the OpenAI rule (no stop string, no EOS text: see ``SamplingParams``) and is the
         concatenation of :meth:`stream`'s chunks. Another thread's turn on this session runs first.
+        A turn that reaches the context length before ``max_new_tokens`` ends there with
+        ``stop_reason="length"`` (as vLLM's offline ``LLM.generate``; the server, like vLLM's, refuses
+        such a request up front with a 400).
 
         Raises:
             UnknownAdapterError, EmptyRequestError, ContextLengthError, ValueError: bad request;
