@@ -184,3 +184,28 @@ def test_study_end_to_end(smollm_vocab, monkeypatch, tmp_path):
     assert len(pngs) == 3 and all(p.read_bytes()[:8] == PNG_MAGIC for p in pngs)
     markdown = (tmp_path / "study.md").read_text(encoding="utf-8")
     assert "| nonshared | " in markdown and "ReBaseShared beats PreLRShared on" in markdown
+
+
+def test_study_resumes_from_stored_questions(smollm_vocab, monkeypatch, tmp_path, capsys):
+    """A study run again on the same --out runs nothing and writes the same tables; a run with
+    other settings on that folder is refused, naming both."""
+    model, root = smollm_vocab
+    monkeypatch.setattr(precache, "load_model", lambda *a, **k: model)
+    argv = ["study", "--adapters", str(root), "--limit", "2", "--methods", "nonshared,prelrshared"]
+    argv += ["--scales", "1,0.5", "--sweep-limit", "1", "--max-steps", "2", "--max-new-tokens", "3"]
+    argv += ["--concurrency", "1", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    first = json.loads((tmp_path / "study.json").read_text(encoding="utf-8"))["runs"]
+    run = first[f"hotpotqa/{root}"]
+    assert run["questions"] == 2 and run["sweep_questions"] == 1
+    stored = sorted(p.name for p in (tmp_path / "questions").rglob("*.json"))
+    assert stored.count("point.json") == 2 and len(stored) == 2 + 2 + 1  # 2 points, 2 + 1 questions
+
+    monkeypatch.setattr(precache, "Engine", lambda *a, **k: pytest.fail("engine built on resume"))
+    assert main(argv) == 0
+    assert json.loads((tmp_path / "study.json").read_text(encoding="utf-8"))["runs"] == first
+
+    other = [a if a != "3" else "4" for a in argv]  # --max-new-tokens 4
+    assert main(other) == 2
+    err = capsys.readouterr().err
+    assert "StoredResultsError" in err and "'max_new_tokens': 3" in err and "'max_new_tokens': 4" in err

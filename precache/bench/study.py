@@ -2,7 +2,7 @@
 
 Per benchmark x adapter set, on the questions of one split:
 
-- the paper-style table (:func:`method_row`), at adapter scale 1: the benchmark's accuracy
+- the paper-style table (:func:`table`, :func:`method_row`), at adapter scale 1: the benchmark's accuracy
   (HotpotQA: EM / F1; ScienceQA: option accuracy), its drop against NonShared (NonShared minus
   the method, so a positive drop is a loss), answer agreement with NonShared
   (:func:`precache.agents.evaluate.summarize`), ``turn_match`` (:func:`matching_turns`), the sum of
@@ -14,7 +14,9 @@ Per benchmark x adapter set, on the questions of one split:
   (:func:`scaled_adapter`), the same measures for NonShared, PreLRShared and ReBaseShared (LP).
 
 Every phase runs ``concurrency`` episodes at once, their forwards batched in each engine
-(:func:`~precache.engine.scheduler.run_concurrently`).
+(:func:`~precache.engine.scheduler.run_concurrently`), and stores each group's per-question
+results (:class:`PointStore`) before the next starts: the tables are aggregated from the stored
+questions, so a stopped study resumes and a finished one only rebuilds its report.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ import argparse
 import dataclasses
 import logging
 import os
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 from precache.bench.common import methods_with_reference, positive_int
-from precache.bench.study_figure2 import figure2
+from precache.errors import PrecacheError
 
 logger = logging.getLogger(__name__)
 
@@ -59,38 +63,82 @@ def matching_turns(turns: list, reference: list) -> int:
     return same
 
 
-def method_row(episodes: list, reference: list, benchmark, questions: list, forced: dict) -> dict:
-    """One line of the table: ``summarize``'s metrics and ``agreement``, ``turn_match`` (the share
-    of the reference's turns matched by :func:`matching_turns`), ``sum_ttft_s``,
-    ``prefill_tokens``, and ``first_kl`` / ``mean_kl`` / ``top1`` of ``forced``
-    (:func:`~precache.bench.episodes.summarize_turns`). ``{metric}_drop`` is added by :func:`run_point`."""
-    from precache.agents.evaluate import summarize
-
-    summary = summarize(episodes, reference, benchmark, questions)
-    turns = [t for e in episodes for t in e.turns]
-    matched = sum(matching_turns(e.turns, r.turns) for e, r in zip(episodes, reference, strict=True))
-    total = sum(len(r.turns) for r in reference)
+def question_record(episode, reference, benchmark, question, forced: dict) -> dict:
+    """What the table keeps of one method on one question (JSON-ready, stored by
+    :class:`PointStore`): ``answer``, each of ``benchmark.metrics``, ``agrees`` (the answer's
+    ``benchmark.answer_key`` equals the reference's), ``matched`` (:func:`matching_turns`) and
+    ``reference_turns``, the sums of TTFT (seconds) and prefill tokens over its turns, and
+    ``forced``: the teacher-forced per-turn records of :func:`~precache.bench.fidelity.compare_trajectory`."""
     return {
-        **{metric: summary[metric] for metric in benchmark.metrics},
-        "agreement": float(summary["agreement"]),
-        "turn_match": matched / total if total else None,
-        "sum_ttft_s": sum(t.ttft_s for t in turns),
-        "prefill_tokens": sum(t.prefill_tokens for t in turns),
-        **{key: forced[key] for key in ("first_kl", "mean_kl", "top1")},
-        "answers": [e.answer for e in episodes],
+        "answer": episode.answer,
+        **{metric: getattr(episode, metric) for metric in benchmark.metrics},
+        "agrees": benchmark.answer_key(episode.answer, question)
+        == benchmark.answer_key(reference.answer, question),
+        "matched": matching_turns(episode.turns, reference.turns),
+        "reference_turns": len(reference.turns),
+        "turns": len(episode.turns),
+        "stop_reason": episode.stop_reason,
+        "ttft_s": sum(t.ttft_s for t in episode.turns),
+        "prefill_tokens": sum(t.prefill_tokens for t in episode.turns),
+        "forced": forced,
     }
 
 
-def run_point(
-    engines: dict, questions: list, benchmark, concurrency: int = 1, **episode_kwargs
-) -> tuple[dict, list]:
-    """Record NonShared episodes (``engines["nonshared"]``), run every other engine free on the
-    same questions, teacher-force the recorded trajectories under every engine
-    (:func:`~precache.bench.fidelity.compare_trajectory`). Returns ``({method: method_row},
-    recorded turns per question)``; ``episode_kwargs`` go to :func:`~precache.agents.loop.run_episode`."""
+def method_row(records: list[dict], benchmark) -> dict:
+    """One line of the table from one method's :func:`question_record` s (questions in order):
+    the mean of each metric, ``agreement`` (share of agreeing answers), ``turn_match`` (matched
+    turns over the reference's turns), ``sum_ttft_s``, ``prefill_tokens``, ``first_kl`` /
+    ``mean_kl`` / ``top1`` of the forced records
+    (:func:`~precache.bench.episodes.summarize_turns`) and ``answers``. ``{metric}_drop`` is added
+    by :func:`table`."""
+    from precache.bench.episodes import summarize_turns
+
+    n = len(records)
+    total = sum(r["reference_turns"] for r in records)
+    forced = summarize_turns([t for r in records for t in r["forced"]])
+    return {
+        **{metric: sum(r[metric] for r in records) / n if n else 0.0 for metric in benchmark.metrics},
+        "agreement": sum(r["agrees"] for r in records) / n if n else 0.0,
+        "turn_match": sum(r["matched"] for r in records) / total if total else None,
+        "sum_ttft_s": sum(r["ttft_s"] for r in records),
+        "prefill_tokens": sum(r["prefill_tokens"] for r in records),
+        **{key: forced[key] for key in ("first_kl", "mean_kl", "top1")},
+        "answers": [r["answer"] for r in records],
+    }
+
+
+def table(per_question: list[dict], benchmark, methods: list[str]) -> dict:
+    """``{method: method_row}`` over the stored questions, with ``{metric}_drop`` = the reference's
+    (NonShared's) metric minus the method's (positive: a loss)."""
+    from precache.bench.fidelity import REFERENCE
+
+    rows = {m: method_row([q["methods"][m] for q in per_question], benchmark) for m in methods}
+    for row in rows.values():
+        for metric in benchmark.metrics:
+            row[f"{metric}_drop"] = rows[REFERENCE][metric] - row[metric]
+    return rows
+
+
+def run_questions(
+    engines: dict,
+    questions: list,
+    benchmark,
+    concurrency: int = 1,
+    model=None,
+    adapters=None,
+    **episode_kwargs,
+) -> list[dict]:
+    """Record NonShared episodes (``engines["nonshared"]``) on ``questions``, teacher-force the
+    recorded trajectories under every engine (:func:`~precache.bench.fidelity.compare_trajectory`),
+    run every other engine free on the same questions. Returns one dict per question: ``{"id",
+    "methods": {method: question_record}}``, plus ``"figure2"`` (the
+    :func:`~precache.bench.study_figure2.trajectory_transitions` of the recorded trajectory) when
+    ``model`` and ``adapters`` are given. ``episode_kwargs`` go to
+    :func:`~precache.agents.loop.run_episode`."""
     from precache.agents.loop import run_episode
-    from precache.bench.episodes import RecordingSession, summarize_turns
+    from precache.bench.episodes import RecordingSession
     from precache.bench.fidelity import REFERENCE, compare_trajectory
+    from precache.bench.study_figure2 import trajectory_transitions
     from precache.engine.scheduler import run_concurrently
 
     def record(question):
@@ -100,13 +148,16 @@ def run_point(
         return episode
 
     reference = run_concurrently(record, questions, concurrency, desc=f"record {REFERENCE}")
-    trajectories = [e.turns for e in reference]
-    forced = run_concurrently(lambda t: compare_trajectory(engines, t, REFERENCE), trajectories, concurrency)
-    rows = {}
+    forced = run_concurrently(
+        lambda e: compare_trajectory(engines, e.turns, REFERENCE),
+        reference,
+        concurrency,
+        desc="teacher-forced",
+    )
+    episodes = {REFERENCE: reference}
     for name, engine in engines.items():
-        episodes = reference
         if name != REFERENCE:
-            episodes = run_concurrently(
+            episodes[name] = run_concurrently(
                 lambda q, engine=engine: run_episode(
                     engine.session(), q, benchmark=benchmark, **episode_kwargs
                 ),
@@ -114,12 +165,103 @@ def run_point(
                 concurrency,
                 desc=f"free {name}",
             )
-        records = [r for by_method in forced for r in by_method[name]]
-        rows[name] = method_row(episodes, reference, benchmark, questions, summarize_turns(records))
-    for row in rows.values():
-        for metric in benchmark.metrics:
-            row[f"{metric}_drop"] = rows[REFERENCE][metric] - row[metric]
-    return rows, trajectories
+    out = []
+    for i, question in enumerate(questions):
+        entry = {
+            "id": question.id,
+            "methods": {
+                name: question_record(episodes[name][i], reference[i], benchmark, question, forced[i][name])
+                for name in engines
+            },
+        }
+        if model is not None:
+            entry["figure2"] = trajectory_transitions(model, adapters, reference[i].turns)
+        out.append(entry)
+    return out
+
+
+class StoredResultsError(PrecacheError):
+    """A study's ``--out`` folder holds questions run with other settings."""
+
+
+class PointStore:
+    """One point of the study (benchmark x adapter set x adapter scale) on disk, one JSON file per
+    question under ``folder`` (``<question id>.json``) plus ``point.json`` (the settings its
+    questions were run with), so a study that stops resumes where it stopped and two processes can
+    fill different points of one ``--out`` folder.
+
+    Raises:
+        StoredResultsError: ``folder`` holds questions run with other settings (it names both).
+    """
+
+    def __init__(self, folder: Path, settings: dict):
+        import json
+
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        meta = self.folder / "point.json"
+        if meta.is_file():
+            stored = json.loads(meta.read_text())
+            if stored != settings:
+                raise StoredResultsError(
+                    f"{self.folder} holds questions run with {stored}, not {settings}: use another --out"
+                )
+        else:
+            meta.write_text(json.dumps(settings, indent=1) + "\n")
+
+    def _path(self, question_id: str) -> Path:
+        return self.folder / (re.sub(r"[^A-Za-z0-9_.-]", "_", str(question_id)) + ".json")
+
+    def missing(self, questions: list) -> list:
+        """The questions with no stored result, in order."""
+        return [q for q in questions if not self._path(q.id).is_file()]
+
+    def save(self, entry: dict) -> None:
+        """Store one question's entry (written to a temporary file, then renamed)."""
+        import json
+
+        path = self._path(entry["id"])
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(entry))
+        tmp.replace(path)
+
+    def load(self, questions: list) -> list[dict]:
+        """The stored entries of ``questions``, in order."""
+        import json
+
+        return [json.loads(self._path(q.id).read_text()) for q in questions]
+
+
+def run_point(
+    store: PointStore,
+    make_engines: Callable[[], dict],
+    questions: list,
+    benchmark,
+    concurrency: int = 1,
+    model=None,
+    adapters=None,
+    **episode_kwargs,
+) -> list[dict]:
+    """:func:`run_questions` on the questions ``store`` lacks, ``concurrency`` at a time, each
+    group stored as soon as it is done; returns every question's entry, in order. The engines are
+    built (``make_engines()``) only when something is left to run."""
+    missing = store.missing(questions)
+    if missing:
+        engines = make_engines()
+        logger.info("%s: %d of %d questions to run", store.folder, len(missing), len(questions))
+        for start in range(0, len(missing), concurrency):
+            group = missing[start : start + concurrency]
+            for entry in run_questions(
+                engines, group, benchmark, concurrency, model=model, adapters=adapters, **episode_kwargs
+            ):
+                store.save(entry)
+            logger.warning(
+                "%s: %d of %d questions done",
+                store.folder.name,
+                len(questions) - len(store.missing(questions)),
+                len(questions),
+            )
+    return store.load(questions)
 
 
 def _rebase_beats(point: dict, metric: str) -> dict:
@@ -140,39 +282,70 @@ def run_study(
     questions: list,
     methods: list[str],
     scales: list[float],
+    folder: str | os.PathLike,
     concurrency: int = 1,
+    sweep_limit: int | None = None,
     **episode_kwargs,
 ) -> dict:
-    """The study of one benchmark x adapter set (``adapters``: loaded ``LoRAAdapter`` by role).
+    """The study of one benchmark x adapter set (``adapters``: loaded ``LoRAAdapter`` by role),
+    stored question by question under ``folder`` (:class:`PointStore`; a study that stopped resumes).
 
-    The table and Figure 2 run at scale 1 with ``methods`` (NonShared first); each scale of
-    ``scales`` runs :data:`SWEEP_METHODS` among ``methods`` on adapters scaled by it (scale 1 is
-    run once). Returns ``{"questions", "table", "figure2", "sweep": {scale: {"methods":
-    {method: row}, "rebase_beats": {measure: bool}}}}``.
+    The table and Figure 2 run at scale 1 with ``methods`` (NonShared first) on ``questions``;
+    each scale of ``scales`` runs :data:`SWEEP_METHODS` among ``methods`` on adapters scaled by it
+    (:func:`scaled_adapter`; scale 1 is the table's run) on the first ``sweep_limit`` questions
+    (default: all). Returns ``{"questions", "sweep_questions", "table", "figure2", "sweep":
+    {scale: {"methods": {method: row}, "rebase_beats": {measure: bool}}}}``.
+
+    Raises:
+        StoredResultsError: ``folder`` holds results run with other settings.
     """
     import precache
+    from precache.bench.study_figure2 import summarize_transitions
 
-    def engines_at(scale: float, names: list[str]) -> dict:
-        scaled = {role: scaled_adapter(a, scale) for role, a in adapters.items()}
-        return {m: precache.Engine(model, adapters=scaled, method=m, prefix_caching=False) for m in names}
+    def engines_at(scale: float, names: list[str]) -> Callable[[], dict]:
+        def make() -> dict:
+            scaled = {role: scaled_adapter(a, scale) for role, a in adapters.items()}
+            return {m: precache.Engine(model, adapters=scaled, method=m, prefix_caching=False) for m in names}
 
-    table, trajectories = run_point(
-        engines_at(1.0, methods), questions, benchmark, concurrency, **episode_kwargs
+        return make
+
+    settings = {"benchmark": benchmark.name, "model": str(getattr(model, "path", None)), **episode_kwargs}
+    folder = Path(folder)
+    main = run_point(
+        PointStore(folder / "scale-1.0", {**settings, "scale": 1.0, "methods": methods}),
+        engines_at(1.0, methods),
+        questions,
+        benchmark,
+        concurrency,
+        model=model,
+        adapters=adapters,
+        **episode_kwargs,
     )
+    sweep_questions = questions[:sweep_limit]
     sweep_methods = [m for m in methods if m in SWEEP_METHODS]
     sweep = {}
     for scale in scales:
         if scale == 1.0:
-            point = {m: table[m] for m in sweep_methods}
+            entries = main[: len(sweep_questions)]
         else:
-            point, _ = run_point(
-                engines_at(scale, sweep_methods), questions, benchmark, concurrency, **episode_kwargs
+            store = PointStore(
+                folder / f"scale-{scale}", {**settings, "scale": scale, "methods": sweep_methods}
             )
+            entries = run_point(
+                store,
+                engines_at(scale, sweep_methods),
+                sweep_questions,
+                benchmark,
+                concurrency,
+                **episode_kwargs,
+            )
+        point = table(entries, benchmark, sweep_methods)
         sweep[str(scale)] = {"methods": point, "rebase_beats": _rebase_beats(point, benchmark.metrics[0])}
     return {
         "questions": len(questions),
-        "table": table,
-        "figure2": figure2(model, adapters, trajectories),
+        "sweep_questions": len(sweep_questions),
+        "table": table(main, benchmark, methods),
+        "figure2": summarize_transitions([t for q in main for t in q["figure2"]]),
         "sweep": sweep,
     }
 
@@ -236,6 +409,7 @@ def _study(args: argparse.Namespace) -> int:
     for bench, name, folders in runs:
         adapters = {role: load_adapter(folder, model.config, role) for role, folder in folders.items()}
         questions = bench.load_questions(args.split)[: args.limit]
+        folder = out / "questions" / re.sub(r"[^A-Za-z0-9_.-]", "_", f"{bench.name}-{name}")
         results["runs"][f"{bench.name}/{name}"] = {
             "benchmark": bench.name,
             "adapters": name,
@@ -247,7 +421,9 @@ def _study(args: argparse.Namespace) -> int:
                 questions,
                 methods,
                 args.scales,
+                folder,
                 args.concurrency,
+                args.sweep_limit,
                 max_steps=args.max_steps,
                 max_new_tokens=args.max_new_tokens,
             ),
@@ -280,12 +456,23 @@ def add_study(sub: argparse._SubParsersAction) -> None:
     study.add_argument("--limit", type=positive_int, default=None, help="first N questions of the split")
     study.add_argument("--concurrency", type=positive_int, default=1, help="episodes run at once, batched")
     study.add_argument(
+        "--sweep-limit",
+        type=positive_int,
+        default=None,
+        help="first N questions of the sweep (default: --limit)",
+    )
+    study.add_argument(
         "--scales", type=scale_list, default=[0.25, 0.5, 1.0, 2.0], help="adapter B scales of the sweep"
     )
     study.add_argument("--max-steps", type=int, default=8, help="plan steps per episode")
     study.add_argument("--max-new-tokens", type=int, default=64, help="tokens per agent turn")
     study.add_argument("--model", help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
-    study.add_argument("--out", required=True, help="folder for study.json, study.md and the PNGs")
+    study.add_argument(
+        "--out",
+        required=True,
+        help="folder for study.json, study.md, the PNGs and questions/ (each question's results as it "
+        "finishes: a study run again with the same --out resumes)",
+    )
     study.add_argument(
         "--threads", type=int, default=int(os.environ.get("PRECACHE_THREADS", 0)), help="torch threads"
     )

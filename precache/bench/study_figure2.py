@@ -94,24 +94,26 @@ def transition_errors(model, token_ids: list[int], previous, current) -> dict:
     return out
 
 
-def figure2(model, adapters: dict, trajectories: list[list]) -> dict:
-    """:func:`transition_errors` at every agent turn but the first of each recorded trajectory
-    (lists of :class:`~precache.engine.request.Turn`): ``previous`` is the agent of the turn before,
-    the shared positions are the trajectory before the turn's appended tokens. Returns
-    ``{"transitions": [{"previous", "current", "positions", **errors}], "mean": {...}}`` with the
-    means over transitions per layer, and ``neutral_closer_layers``: layers where the mean
-    ``hidden_error["neutral"]`` is below ``["previous"]``."""
+def trajectory_transitions(model, adapters: dict, turns: list) -> list[dict]:
+    """:func:`transition_errors` at every agent turn but the first of one recorded trajectory
+    (a list of :class:`~precache.engine.request.Turn`): ``previous`` is the agent of the turn
+    before, the shared positions are the trajectory before the turn's appended tokens. Returns
+    ``[{"previous", "current", "positions", **errors}]``."""
     transitions = []
-    for turns in trajectories:
-        tokens: list[int] = []
-        for i, turn in enumerate(turns):
-            if i > 0 and tokens:
-                prev = turns[i - 1].agent
-                errors = transition_errors(model, tokens, adapters.get(prev), adapters.get(turn.agent))
-                transitions.append(
-                    {"previous": prev, "current": turn.agent, "positions": len(tokens), **errors}
-                )
-            tokens += list(turn.appended) + list(turn.token_ids)
+    tokens: list[int] = []
+    for i, turn in enumerate(turns):
+        if i > 0 and tokens:
+            prev = turns[i - 1].agent
+            errors = transition_errors(model, tokens, adapters.get(prev), adapters.get(turn.agent))
+            transitions.append({"previous": prev, "current": turn.agent, "positions": len(tokens), **errors})
+        tokens += list(turn.appended) + list(turn.token_ids)
+    return transitions
+
+
+def summarize_transitions(transitions: list[dict]) -> dict:
+    """``{"transitions", "mean", "neutral_closer_layers"}``: ``mean`` holds the means over
+    ``transitions`` per layer of each error; ``neutral_closer_layers`` the layers where the mean
+    ``hidden_error["neutral"]`` is below ``["previous"]``."""
     mean: dict = {}
     for group in ("k_base_error", "v_base_error", "hidden_error"):
         keys = transitions[0][group] if transitions else {}
@@ -126,3 +128,11 @@ def figure2(model, adapters: dict, trajectories: list[list]) -> dict:
         if a < b
     ]
     return {"transitions": transitions, "mean": mean, "neutral_closer_layers": closer}
+
+
+def figure2(model, adapters: dict, trajectories: list[list]) -> dict:
+    """:func:`summarize_transitions` of :func:`trajectory_transitions` over every recorded
+    trajectory (lists of :class:`~precache.engine.request.Turn`)."""
+    return summarize_transitions(
+        [t for turns in trajectories for t in trajectory_transitions(model, adapters, turns)]
+    )
