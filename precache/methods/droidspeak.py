@@ -126,6 +126,7 @@ def profile(
     n_critical: int | None = None,
     calibration: list[list[int]] | None = None,
     seed: int = 0,
+    calibration_name: str | None = None,
 ) -> dict:
     """The per-layer reuse error and the critical range (DroidSpeak's offline profile).
 
@@ -139,7 +140,10 @@ def profile(
     reads the adapter's entries); with none, no cache entry can deviate: zero errors and
     ``layers`` None (nothing to recompute).
 
-    Returns ``{"num_layers", "adapters", "layer_errors": [L floats, nats], "layers": [first, last] | None}``.
+    Returns ``{"num_layers", "adapters", "layer_errors": [L floats, nats], "layers": [first, last] | None,
+    "calibration"}``, the last saying what the sequences were: ``calibration_name`` (e.g.
+    ``"scienceqa train[:4], at most 128 tokens each"``, :func:`calibration_name`), else ``"random: 4 x 96 tokens,
+    seed S"`` or ``"N given sequences"``.
 
     Raises:
         ValueError: ``n_critical`` outside ``1..L``.
@@ -149,8 +153,20 @@ def profile(
     if not 1 <= n_critical <= num_layers:
         raise ValueError(f"n_critical must be in 1..{num_layers}, got {n_critical!r}")
     names = sorted(adapters)
+    if calibration_name is None:
+        calibration_name = (
+            f"random: 4 x 96 tokens, seed {seed}"
+            if calibration is None
+            else f"{len(calibration)} given sequences"
+        )
     if not adapters:
-        return {"num_layers": num_layers, "adapters": [], "layer_errors": [0.0] * num_layers, "layers": None}
+        return {
+            "num_layers": num_layers,
+            "adapters": [],
+            "layer_errors": [0.0] * num_layers,
+            "layers": None,
+            "calibration": calibration_name,
+        }
     agents = dict(adapters) if len(adapters) > 1 else {**adapters, None: None}  # None: the base model
     if calibration is None:
         gen = torch.Generator().manual_seed(seed)
@@ -183,6 +199,7 @@ def profile(
         "adapters": names,
         "layer_errors": [round(float(e), 8) for e in errors],
         "layers": [first, first + n_critical - 1],
+        "calibration": calibration_name,
     }
 
 
@@ -195,7 +212,8 @@ def profile_path(adapters: dict) -> Path | None:
 
 
 def read_profile(path: Path, model, adapters: dict) -> dict:
-    """The stored profile at ``path``, checked against the model and adapter set.
+    """The stored profile at ``path``, checked against the model and adapter set. ``calibration``
+    is optional (profiles written before it was recorded have none).
 
     Raises:
         ValueError: the file is not a profile, or it was made for another layer count or adapter set.
@@ -231,40 +249,102 @@ def save_profile(model, adapters: dict, folder: str | Path | None = None, **opti
     return path
 
 
-def hotpotqa_calibration(tokenizer, n: int = 4, tokens: int = 128) -> list[list[int]]:
-    """Calibration sequences from the first ``n`` HotpotQA train questions: the question and its
-    paragraphs as text, the first ``tokens`` token ids of each (the committed profiles use these)."""
-    from precache.agents.data import load_questions
+def calibration_text(question, benchmark: str) -> str:
+    """The calibration text of one question of ``benchmark``: HotpotQA, the question then one line
+    ``title: sentences`` per paragraph; ScienceQA, the question with its ``Options:`` line, then the
+    image's caption and OCR text as the ``Image`` tool shows them (questions with an image only).
 
-    out = []
-    for q in load_questions("train")[:n]:
-        text = q.question + "\n" + "\n".join(f"{title}: {''.join(sents)}" for title, sents in q.context)
-        out.append(tokenizer(text, add_special_tokens=False)["input_ids"][:tokens])
-    return out
+    Raises:
+        UnknownBenchmarkError: ``benchmark`` is neither.
+    """
+    if benchmark == "hotpotqa":
+        return (
+            question.question
+            + "\n"
+            + "\n".join(f"{title}: {''.join(sents)}" for title, sents in question.context)
+        )
+    if benchmark == "scienceqa":
+        from precache.agents.scienceqa_tools import image_observation
+
+        return question.question + (f"\n{image_observation(question)}" if question.has_image else "")
+    from precache.agents.benchmark import get_benchmark
+
+    get_benchmark(benchmark)  # raises, naming the known ones
+    raise AssertionError(f"no calibration text for benchmark {benchmark!r}")
+
+
+def calibration(tokenizer, benchmark: str = "hotpotqa", n: int = 4, tokens: int = 128) -> list[list[int]]:
+    """Calibration sequences from the first ``n`` train questions of ``benchmark``
+    (:func:`calibration_text`), the first ``tokens`` token ids of each. The committed HotpotQA
+    profiles were made with ``benchmark="hotpotqa"``, the ScienceQA one with ``"scienceqa"``
+    (:func:`calibration_name` says which in the file).
+
+    Raises:
+        UnknownBenchmarkError: not a benchmark.
+    """
+    from precache.agents.benchmark import get_benchmark
+
+    questions = get_benchmark(benchmark).load_questions("train")[:n]
+    return [
+        tokenizer(calibration_text(q, benchmark), add_special_tokens=False)["input_ids"][:tokens]
+        for q in questions
+    ]
+
+
+def calibration_name(benchmark: str, n: int = 4, tokens: int = 128) -> str:
+    """What :func:`calibration` with these arguments is, as the profile records it."""
+    return f"{benchmark} train[:{n}], at most {tokens} tokens each"
+
+
+def adapter_folders(adapters: str, benchmark: str = "hotpotqa") -> dict[str, Path]:
+    """The adapter folders by agent of a committed set (``qv``, ``all``) trained on ``benchmark``,
+    or of a folder ``DIR/<agent>/`` (whatever the benchmark).
+
+    Raises:
+        UnknownBenchmarkError: not a benchmark.
+        AdapterError: the set was not trained for the benchmark, or the folder holds no adapter.
+    """
+    from precache.agents.benchmark import get_benchmark
+    from precache.resources import adapter_set
+
+    return adapter_set(get_benchmark(benchmark).adapters(adapters))
 
 
 def _profile_command(args) -> int:
     from precache.lora.adapter import load_adapter
     from precache.models import load_model
-    from precache.resources import adapter_set
 
-    folders = adapter_set(args.adapters)  # checked before the model loads
+    folders = adapter_folders(args.adapters, args.benchmark)  # checked before the model loads
     model = load_model(args.model)
     adapters = {a: load_adapter(folder, model.config, a) for a, folder in folders.items()}
-    calibration = hotpotqa_calibration(model.tokenizer)
-    path = save_profile(model, adapters, n_critical=args.n_critical, calibration=calibration)
+    path = save_profile(
+        model,
+        adapters,
+        n_critical=args.n_critical,
+        calibration=calibration(model.tokenizer, args.benchmark),
+        calibration_name=calibration_name(args.benchmark),
+    )
     logger.warning("wrote %s: critical layers %s", path, json.loads(path.read_text())["layers"])
     return 0
 
 
 def add_profile_command(adapters_sub) -> None:
-    """Register ``precache adapters profile-droidspeak --adapters qv|all|DIR [--model DIR]
-    [--n-critical N]``: profile the adapter set on the base model (:func:`hotpotqa_calibration`)
-    and write ``droidspeak.json`` next to the adapters."""
+    """Register ``precache adapters profile-droidspeak --adapters qv|all|DIR [--benchmark
+    hotpotqa|scienceqa] [--model DIR] [--n-critical N]``: profile the adapter set (a committed set
+    is the one trained on the benchmark) on the base model over the benchmark's first 4 train
+    questions (:func:`calibration`) and write ``droidspeak.json`` next to the adapters."""
+    from precache.agents.benchmark import BENCHMARKS
+
     p = adapters_sub.add_parser(
         "profile-droidspeak", help="DroidSpeak's critical layers for an adapter set (droidspeak.json)"
     )
     p.add_argument("--adapters", default="qv", help="qv | all (committed sets) | DIR with DIR/<agent>/")
+    p.add_argument(
+        "--benchmark",
+        choices=tuple(BENCHMARKS),
+        default="hotpotqa",
+        help="whose committed set (qv, all) and whose first 4 train questions calibrate",
+    )
     p.add_argument("--model", help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--n-critical", type=int, default=None, help="layers in the range (default: L / 3)")
     p.set_defaults(func=_profile_command)
@@ -273,8 +353,11 @@ def add_profile_command(adapters_sub) -> None:
 __all__ = [
     "PROFILE_FILE",
     "DroidSpeak",
+    "adapter_folders",
     "add_profile_command",
-    "hotpotqa_calibration",
+    "calibration",
+    "calibration_name",
+    "calibration_text",
     "profile",
     "profile_path",
     "read_profile",
