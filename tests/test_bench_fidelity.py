@@ -209,3 +209,36 @@ def test_run_fidelity_and_reports(tiny, monkeypatch, tmp_path):
     paths = plots.plot_fidelity(result, tmp_path / "plots")
     assert [p.name for p in paths] == ["layer_error.png", "kl_per_turn.png"]
     assert all(p.read_bytes()[:8] == PNG_MAGIC for p in paths)
+
+
+def test_own_and_other_segment_errors(tiny, results):
+    """The own / other split covers the earlier positions by writer: with one agent every earlier
+    position is its own (no ``_other``) and only ReBaseShared has an error there; on the mixed
+    script the two parts recombine into the whole error (squared norms add up)."""
+    model, dirs, _ = tiny
+    for method, records in compare(model, dirs, SINGLE).items():
+        for r in records[1:]:
+            assert r["k_error_other"] is None and r["k_error_own"] == r["k_error"], method
+    # SCRIPT turn 2 is plan after plan's turn 0 and action's turn 1; turn 1 (action) has only plan's
+    plan_again = results["prelrshared"][2]
+    assert plan_again["k_error_own"] is not None and plan_again["k_error_other"] is not None
+    assert results["prelrshared"][1]["k_error_own"] is None
+    engines = {m: make_engine(model, dirs, m, prefix_caching=False) for m in ("nonshared", "rebaseshared-lp")}
+    turns = record(engines["nonshared"], SCRIPT)
+    ref, other = engines["nonshared"].session(), engines["rebaseshared-lp"].session()
+    for i, t in enumerate(turns[:3]):  # measured after turn 2 over what came before it
+        end = len(ref.token_ids) if i == 2 else None
+        for s in (ref, other):
+            s.append(list(t.appended))
+            forced_turn(s, t.agent, t.token_ids)
+    own = torch.tensor([True] * (14 + 4) + [False] * (end - 18))  # plan wrote turn 0's 18 tokens
+    from precache.bench.fidelity import agent_kv, layer_errors
+
+    whole, _ = layer_errors(ref, other, "plan", end)
+    mine, _ = layer_errors(ref, other, "plan", end, own)
+    theirs, _ = layer_errors(ref, other, "plan", end, ~own)
+    for layer in range(model.config.num_layers):
+        k_ref = agent_kv(ref, "plan", layer, end)[0].double()
+        n_own, n_other = k_ref[own].norm() ** 2, k_ref[~own].norm() ** 2
+        recombined = (mine[layer] ** 2 * n_own + theirs[layer] ** 2 * n_other) / (n_own + n_other)
+        assert float(recombined) ** 0.5 == pytest.approx(whole[layer], rel=1e-6)

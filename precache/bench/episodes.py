@@ -46,9 +46,10 @@ def _mean(values: list[float]) -> float | None:
 def summarize_turns(records: list[dict]) -> dict:
     """Means over agent turns: ``first_kl``, ``first_top1`` per turn; ``mean_kl``, ``top1`` per
     generated token; ``k_error`` / ``v_error`` over layers and turns with earlier segments, plus
-    ``k_error_per_layer`` / ``v_error_per_layer`` (lists over layers)."""
+    ``k_error_per_layer`` / ``v_error_per_layer`` (lists over layers); likewise the ``_own`` /
+    ``_other`` split of :mod:`precache.bench.fidelity` over the turns that have such positions
+    (None when no turn has)."""
     tokens = sum(r["tokens"] for r in records)
-    with_prefix = [r for r in records if r["k_error"] is not None]
     out = {
         "turns": len(records),
         "first_kl": _mean([r["first_kl"] for r in records]),
@@ -56,8 +57,9 @@ def summarize_turns(records: list[dict]) -> dict:
         "mean_kl": sum(r["mean_kl"] * r["tokens"] for r in records) / tokens if tokens else None,
         "top1": sum(r["top1"] * r["tokens"] for r in records) / tokens if tokens else None,
     }
-    for side in ("k_error", "v_error"):
-        per_layer = [_mean(list(layer)) for layer in zip(*(r[side] for r in with_prefix), strict=True)]
+    for side in ("k_error", "v_error", "k_error_own", "v_error_own", "k_error_other", "v_error_other"):
+        with_part = [r[side] for r in records if r.get(side) is not None]
+        per_layer = [_mean(list(layer)) for layer in zip(*with_part, strict=True)]
         out[f"{side}_per_layer"] = per_layer
         out[side] = _mean(per_layer) if per_layer else None
     return out

@@ -17,6 +17,11 @@ distribution can be compared position by position. Per agent turn:
   (NonShared, FullShared) or the shared base plus its RoPE'd LoRA part ``Kb + RoPE(s Lk_a B_a^k)``
   (DESIGN.md, Notation); likewise ``V_view = Vb + s Lv_a B_a^v``. Measured after the turn, since
   entries before ``s`` never change during it. None on a turn with ``s = 0``.
+- ``k_error_own[l]`` / ``k_error_other[l]`` (likewise ``v_``): the same error over the earlier
+  positions the turn's agent wrote itself (the segments of its own earlier turns: their appended
+  and generated tokens) and over the positions the other agents wrote; None where there are none.
+  The PReCache paper's Figure 2 compares only the second kind; PreLRShared's base on the agent's
+  own segments comes from its own adapted hidden states, ReBaseShared's never does.
 """
 
 from __future__ import annotations
@@ -49,13 +54,18 @@ def _relative(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.double() - ref.double()).norm() / norm) if norm > 0 else 0.0
 
 
-def layer_errors(reference, session, agent: str, end: int) -> tuple[list[float], list[float]]:
+def layer_errors(
+    reference, session, agent: str, end: int, positions: torch.Tensor | None = None
+) -> tuple[list[float], list[float]]:
     """Per-layer relative Frobenius error of ``session``'s K and V view against ``reference``'s
-    (NonShared) own cache of ``agent`` over ``[0, end)``: two lists of ``num_layers`` floats."""
+    (NonShared) own cache of ``agent`` over ``[0, end)`` (only the ``positions`` among them when
+    given: a bool mask ``[end]``): two lists of ``num_layers`` floats."""
     k_err, v_err = [], []
     for layer in range(reference.engine.model.config.num_layers):
         k_ref, v_ref = agent_kv(reference, agent, layer, end)
         k, v = agent_kv(session, agent, layer, end)
+        if positions is not None:
+            k_ref, v_ref, k, v = k_ref[positions], v_ref[positions], k[positions], v[positions]
         k_err.append(_relative(k, k_ref))
         v_err.append(_relative(v, v_ref))
     return k_err, v_err
@@ -73,7 +83,9 @@ def kl_top1(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[list[float]
     return kl.tolist(), same.tolist()
 
 
-def _turn_record(reference, session, turn: Turn, ref_logits, logits, processed: int) -> dict:
+def _turn_record(
+    reference, session, turn: Turn, ref_logits, logits, processed: int, writers: list[str | None]
+) -> dict:
     kl, same = kl_top1(ref_logits, logits)
     record = {
         "agent": turn.agent,
@@ -83,11 +95,15 @@ def _turn_record(reference, session, turn: Turn, ref_logits, logits, processed: 
         "mean_kl": sum(kl) / len(kl),
         "first_top1": float(same[0]),
         "top1": sum(same) / len(same),
-        "k_error": None,
-        "v_error": None,
+        **{f"{side}_error{part}": None for side in "kv" for part in ("", "_own", "_other")},
     }
     if processed > 0:
         record["k_error"], record["v_error"] = layer_errors(reference, session, turn.agent, processed)
+        own = torch.tensor([w == turn.agent for w in writers[:processed]])
+        for part, mask in (("_own", own), ("_other", ~own)):
+            if bool(mask.any()):
+                k_err, v_err = layer_errors(reference, session, turn.agent, processed, mask)
+                record[f"k_error{part}"], record[f"v_error{part}"] = k_err, v_err
     return record
 
 
@@ -104,6 +120,7 @@ def compare_trajectory(engines: dict, turns: list[Turn], reference: str = REFERE
     ref = engines[reference].session()
     sessions = {name: engine.session() for name, engine in engines.items()}
     out: dict[str, list[dict]] = {name: [] for name in engines}
+    writers: list[str | None] = []  # per position: the agent of the turn that brought it in
     for turn in turns:
         processed = len(ref.authors)
         ref.append(list(turn.appended))
@@ -111,5 +128,6 @@ def compare_trajectory(engines: dict, turns: list[Turn], reference: str = REFERE
         for name, session in sessions.items():
             session.append(list(turn.appended))
             logits = forced_turn(session, turn.agent, turn.token_ids)
-            out[name].append(_turn_record(ref, session, turn, ref_logits, logits, processed))
+            out[name].append(_turn_record(ref, session, turn, ref_logits, logits, processed, writers))
+        writers += [turn.agent] * (len(turn.appended) + len(turn.token_ids))
     return out

@@ -88,8 +88,10 @@ def method_row(records: list[dict], benchmark) -> dict:
     """One line of the table from one method's :func:`question_record` s (questions in order):
     the mean of each metric, ``agreement`` (share of agreeing answers), ``turn_match`` (matched
     turns over the reference's turns), ``sum_ttft_s``, ``prefill_tokens``, ``first_kl`` /
-    ``mean_kl`` / ``top1`` of the forced records
-    (:func:`~precache.bench.episodes.summarize_turns`) and ``answers``. ``{metric}_drop`` is added
+    ``mean_kl`` / ``top1`` and the cache errors ``k_error`` (all earlier positions), ``k_error_own``
+    / ``v_error_own`` (the reader's own earlier segments) and ``k_error_other`` / ``v_error_other``
+    (the other agents') of the forced records (:func:`~precache.bench.episodes.summarize_turns`,
+    :mod:`~precache.bench.fidelity`) and ``answers``. ``{metric}_drop`` is added
     by :func:`table`."""
     from precache.bench.episodes import summarize_turns
 
@@ -103,6 +105,10 @@ def method_row(records: list[dict], benchmark) -> dict:
         "sum_ttft_s": sum(r["ttft_s"] for r in records),
         "prefill_tokens": sum(r["prefill_tokens"] for r in records),
         **{key: forced[key] for key in ("first_kl", "mean_kl", "top1")},
+        **{
+            key: forced[key]
+            for key in ("k_error", "k_error_own", "k_error_other", "v_error_own", "v_error_other")
+        },
         "answers": [r["answer"] for r in records],
     }
 

@@ -24,7 +24,7 @@ def study_markdown(results: dict) -> str:
     for key, run in results["runs"].items():
         metrics = run["metrics"]
         cols = [*metrics, *(f"{m}_drop" for m in metrics), "agreement", "turn_match"]
-        cols += ["first_kl", "mean_kl", "sum_ttft_s", "prefill_tokens"]
+        cols += ["first_kl", "mean_kl", "k_error_own", "k_error_other", "sum_ttft_s", "prefill_tokens"]
         lines += [f"## {key} ({run['questions']} questions)", "", "| method | " + " | ".join(cols) + " |"]
         lines.append("|---" * (len(cols) + 1) + "|")
         for method, row in run["table"].items():
