@@ -53,8 +53,9 @@ def study_markdown(results: dict) -> str:
 
 
 def plot_study(results: dict, folder: str | os.PathLike) -> list[Path]:
-    """Three PNGs per run ``<benchmark>_<set>_``: ``table.png`` (accuracy drop against NonShared and
-    agreement per method), ``layers.png`` (Figure 2: K base error per method and hidden-state
+    """Three PNGs per run ``<benchmark>_<set>_``: ``table.png`` (accuracy drop against NonShared,
+    agreement, and the teacher-forced K error over the reader's own and the other agents'
+    segments, per method), ``layers.png`` (Figure 2: K base error per method and hidden-state
     errors per layer), ``sweep.png`` (mean KL, agreement and accuracy against the adapter scale).
     Returns the paths."""
     folder = Path(folder)
@@ -63,12 +64,19 @@ def plot_study(results: dict, folder: str | os.PathLike) -> list[Path]:
         stem = key.replace("/", "_").replace(os.sep, "_")
         metric = run["metrics"][0]
         methods = list(run["table"])
-        fig, (ax_drop, ax_agree) = plt.subplots(1, 2, figsize=(12, 4.5))
+        fig, (ax_drop, ax_agree, ax_err) = plt.subplots(1, 3, figsize=(18, 4.5))
         ax_drop.bar(methods, [run["table"][m][f"{metric}_drop"] for m in methods])
         ax_agree.bar(methods, [run["table"][m]["agreement"] for m in methods])
         ax_drop.set(ylabel=f"{metric} drop vs NonShared", title=key)
         ax_agree.set(ylabel="answer agreement with NonShared", ylim=(0, 1.05), title=key)
-        for ax in (ax_drop, ax_agree):
+        x = range(len(methods))
+        for offset, part in ((-0.2, "own"), (0.2, "other")):
+            values = [run["table"][m].get(f"k_error_{part}") or 0.0 for m in methods]
+            ax_err.bar([i + offset for i in x], values, width=0.4, label=f"{part} agents' segments")
+        ax_err.set_xticks(list(x), methods)
+        ax_err.set(ylabel="relative K error of the view vs NonShared", title="teacher-forced cache error")
+        ax_err.legend(fontsize=8)
+        for ax in (ax_drop, ax_agree, ax_err):
             ax.tick_params(axis="x", rotation=45)
             ax.grid(alpha=0.3, axis="y")
         paths.append(save_figure(fig, folder / f"{stem}_table.png"))
