@@ -144,12 +144,17 @@ def test_adapters_list_prints_the_whole_table_into_a_pipe(installed):
     listed = installed.run("adapters", "list")
     assert listed.returncode == 0, listed.stderr
     rows = [line for line in listed.stdout.splitlines() if "smollm2-135m" in line]
-    assert len(rows) == 6  # 2 sets x 3 roles, each on one line, its folder whole
-    folders = installed.site / "precache/assets/adapters/smollm2-135m"
-    expected = [(name, agent) for name in ("qv", "all") for agent in ("action", "plan", "reflect")]
-    for row, (name, agent) in zip(rows, expected, strict=True):
+    assert len(rows) == 12  # 2 benchmarks x 2 sets x 3 roles, each on one line, its folder whole
+    folders = installed.site / "precache/assets/adapters"
+    expected = [
+        (bench, root, name, agent)
+        for bench, root in (("hotpotqa", "smollm2-135m"), ("scienceqa", "smollm2-135m-scienceqa"))
+        for name in ("qv", "all")
+        for agent in ("action", "plan", "reflect")
+    ]
+    for row, (bench, root, name, agent) in zip(rows, expected, strict=True):
         cells = [c.strip() for c in row.split("│") if c.strip()]
-        assert cells[:3] == [name, agent, "8"] and cells[-1] == str(folders / name / agent)
+        assert cells[:4] == [bench, name, agent, "8"] and cells[-1] == str(folders / root / name / agent)
     assert max(map(len, rows)) > 80  # COLUMNS=80 would have cut it
     assert listed.stderr == ""
 

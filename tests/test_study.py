@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from peft import PeftModel
 import precache
 from precache.agents import prompt
 from precache.agents.data import load_questions
-from precache.bench.study import matching_turns, plan_runs, scaled_adapter
+from precache.bench.study import ROLES, matching_turns, plan_runs, scaled_adapter
 from precache.bench.study_figure2 import transition_errors
 from precache.cli import main
 from precache.engine import Turn
@@ -109,7 +111,26 @@ def test_matching_turns_stops_at_the_first_difference():
     assert matching_turns(ref[:2], ref) == 2
 
 
-def test_plan_runs_skips_sets_not_trained_for_a_benchmark():
+def test_plan_runs_takes_each_benchmarks_own_set():
+    runs, skipped = plan_runs("hotpotqa,scienceqa", "qv,all")
+    assert [(b.name, name) for b, name, _ in runs] == [
+        ("hotpotqa", "qv"),
+        ("hotpotqa", "all"),
+        ("scienceqa", "qv"),
+        ("scienceqa", "all"),
+    ]
+    assert not skipped
+    for bench, name, folders in runs:
+        assert sorted(folders) == sorted(ROLES)
+        assert all(Path(f).parent == bench.adapter_root / name for f in folders.values())
+
+
+def test_plan_runs_skips_sets_not_trained_for_a_benchmark(monkeypatch, tmp_path):
+    from precache.agents import benchmark
+
+    monkeypatch.setitem(
+        benchmark.BENCHMARKS, "scienceqa", dataclasses.replace(benchmark.SCIENCEQA, adapter_root=tmp_path)
+    )
     runs, skipped = plan_runs("hotpotqa,scienceqa", "all")
     assert [(b.name, name) for b, name, _ in runs] == [("hotpotqa", "all")]
     assert len(skipped) == 1 and "no all adapter set for scienceqa" in skipped[0]

@@ -33,19 +33,28 @@ REFERENCE_METHOD = "nonshared"
 
 
 def _list(args: argparse.Namespace) -> int:
-    table = Table("set", "agent", "rank", "alpha", "target modules", "folder")
-    for name in ADAPTER_SETS:
-        for agent, folder in adapter_set(name).items():
-            config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
-            modules = config.get("target_modules") or []
-            table.add_row(
-                name,
-                agent,
-                str(config.get("r")),
-                str(config.get("lora_alpha")),
-                ",".join(sorted(modules)) if isinstance(modules, list) else str(modules),
-                str(folder),
-            )
+    from precache.agents.benchmark import BENCHMARKS
+    from precache.errors import AdapterError
+
+    table = Table("benchmark", "set", "agent", "rank", "alpha", "target modules", "folder")
+    for benchmark in BENCHMARKS.values():
+        for name in ADAPTER_SETS:
+            try:
+                folders = adapter_set(benchmark.adapters(name))
+            except AdapterError:
+                continue  # not trained for this benchmark
+            for agent, folder in folders.items():
+                config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+                modules = config.get("target_modules") or []
+                table.add_row(
+                    benchmark.name,
+                    name,
+                    agent,
+                    str(config.get("r")),
+                    str(config.get("lora_alpha")),
+                    ",".join(sorted(modules)) if isinstance(modules, list) else str(modules),
+                    str(folder),
+                )
     console().print(table)
     return 0
 
@@ -246,7 +255,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     adapters = sub.add_parser("adapters", help="list, train or check the plan / action / reflect adapters")
     adapters_sub = adapters.add_subparsers(dest="adapters_command", required=True)
     listing = adapters_sub.add_parser(
-        "list", help="the committed adapter sets: agents, rank, targets, folder"
+        "list", help="the committed adapter sets per benchmark: agents, rank, targets, folder"
     )
     listing.set_defaults(func=_list)
     train = adapters_sub.add_parser("train", help="train one adapter set on gold trajectories of a benchmark")
