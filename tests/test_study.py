@@ -202,9 +202,16 @@ def test_study_end_to_end(smollm_vocab, monkeypatch, tmp_path):
     same = [t for t in fig2["transitions"] if t["previous"] == t["current"]]
     assert all(t["k_base_error"]["prelrshared"] == [0.0] * layers for t in same)
     pngs = sorted(tmp_path.glob("*.png"))
-    assert len(pngs) == 3 and all(p.read_bytes()[:8] == PNG_MAGIC for p in pngs)
+    assert len(pngs) == 4 and all(p.read_bytes()[:8] == PNG_MAGIC for p in pngs)
+    # per reading agent: NonShared is exact; the split covers every forced turn of the method
+    for agent, part in ns["by_agent"].items():
+        assert part["mean_kl"] == 0.0 and part["first_kl"] == 0.0, agent
+    forced_turns = {m: {a: p["turns"] for a, p in row["by_agent"].items()} for m, row in run["table"].items()}
+    assert all(turns == forced_turns["nonshared"] for turns in forced_turns.values())  # same trajectories
+    assert set(forced_turns["nonshared"]) <= set(ROLES) and sum(forced_turns["nonshared"].values()) > 0
     markdown = (tmp_path / "study.md").read_text(encoding="utf-8")
     assert "| nonshared | " in markdown and "ReBaseShared beats PreLRShared on" in markdown
+    assert "| method | agent | turns | first_kl | mean_kl | k_error_own | k_error_other |" in markdown
 
 
 def test_study_resumes_from_stored_questions(smollm_vocab, monkeypatch, tmp_path, capsys):

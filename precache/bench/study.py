@@ -91,8 +91,8 @@ def method_row(records: list[dict], benchmark) -> dict:
     ``mean_kl`` / ``top1`` and the cache errors ``k_error`` (all earlier positions), ``k_error_own``
     / ``v_error_own`` (the reader's own earlier segments) and ``k_error_other`` / ``v_error_other``
     (the other agents') of the forced records (:func:`~precache.bench.episodes.summarize_turns`,
-    :mod:`~precache.bench.fidelity`) and ``answers``. ``{metric}_drop`` is added
-    by :func:`table`."""
+    :mod:`~precache.bench.fidelity`), ``answers``, and the same measures per agent
+    (:func:`by_agent`). ``{metric}_drop`` is added by :func:`table`."""
     from precache.bench.episodes import summarize_turns
 
     n = len(records)
@@ -110,7 +110,25 @@ def method_row(records: list[dict], benchmark) -> dict:
             for key in ("k_error", "k_error_own", "k_error_other", "v_error_own", "v_error_other")
         },
         "answers": [r["answer"] for r in records],
+        "by_agent": by_agent([t for r in records for t in r["forced"]]),
     }
+
+
+def by_agent(forced: list[dict]) -> dict:
+    """The teacher-forced measures per agent (the turn's reader): ``{agent: {"turns", "first_kl",
+    "mean_kl", "top1", "k_error_own", "k_error_other"}}``
+    (:func:`~precache.bench.episodes.summarize_turns` over that agent's turns). Where a method
+    loses fidelity shows here: on the turns that re-read the agent's own earlier segments or on
+    those that read the other agents'."""
+    from precache.bench.episodes import summarize_turns
+
+    agents = sorted({r["agent"] for r in forced}, key=str)
+    keys = ("turns", "first_kl", "mean_kl", "top1", "k_error_own", "k_error_other")
+    out = {}
+    for agent in agents:
+        summary = summarize_turns([r for r in forced if r["agent"] == agent])
+        out[str(agent)] = {key: summary[key] for key in keys}
+    return out
 
 
 def table(per_question: list[dict], benchmark, methods: list[str]) -> dict:

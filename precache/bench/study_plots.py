@@ -29,6 +29,18 @@ def study_markdown(results: dict) -> str:
         lines.append("|---" * (len(cols) + 1) + "|")
         for method, row in run["table"].items():
             lines.append(f"| {method} | " + " | ".join(_fmt(row[c]) for c in cols) + " |")
+        lines += [
+            "",
+            "Teacher-forced, per reading agent (KL in nats; K error of the view over the agent's own "
+            "earlier segments / the other agents'):",
+            "",
+            "| method | agent | turns | first_kl | mean_kl | k_error_own | k_error_other |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for method, row in run["table"].items():
+            for agent, part in row.get("by_agent", {}).items():
+                cells = [part[c] for c in ("turns", "first_kl", "mean_kl", "k_error_own", "k_error_other")]
+                lines.append(f"| {method} | {agent} | " + " | ".join(_fmt(c) for c in cells) + " |")
         mean = run["figure2"]["mean"]
         lines += ["", "Figure 2 (mean over layers and transitions, relative to the current agent's own):", ""]
         for method, values in mean.get("k_base_error", {}).items():
@@ -53,9 +65,10 @@ def study_markdown(results: dict) -> str:
 
 
 def plot_study(results: dict, folder: str | os.PathLike) -> list[Path]:
-    """Three PNGs per run ``<benchmark>_<set>_``: ``table.png`` (accuracy drop against NonShared,
+    """Four PNGs per run ``<benchmark>_<set>_``: ``table.png`` (accuracy drop against NonShared,
     agreement, and the teacher-forced K error over the reader's own and the other agents'
-    segments, per method), ``layers.png`` (Figure 2: K base error per method and hidden-state
+    segments, per method), ``agents.png`` (teacher-forced first and mean KL per reading agent and
+    method), ``layers.png`` (Figure 2: K base error per method and hidden-state
     errors per layer), ``sweep.png`` (mean KL, agreement and accuracy against the adapter scale).
     Returns the paths."""
     folder = Path(folder)
@@ -80,6 +93,31 @@ def plot_study(results: dict, folder: str | os.PathLike) -> list[Path]:
             ax.tick_params(axis="x", rotation=45)
             ax.grid(alpha=0.3, axis="y")
         paths.append(save_figure(fig, folder / f"{stem}_table.png"))
+        agents = sorted({a for m in methods for a in run["table"][m].get("by_agent", {})})
+        fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
+        width = 0.8 / max(len(methods), 1)
+        for j, method in enumerate(methods):
+            parts = run["table"][method].get("by_agent", {})
+            for ax, measure in zip(axes, ("first_kl", "mean_kl"), strict=True):
+                values = [(parts.get(a) or {}).get(measure) or 0.0 for a in agents]
+                ax.bar(
+                    [i + (j - len(methods) / 2) * width for i in range(len(agents))],
+                    values,
+                    width,
+                    label=method,
+                )
+        for ax, measure in zip(
+            axes, ("first KL (nats)", "mean KL over generated tokens (nats)"), strict=True
+        ):
+            ax.set_xticks(range(len(agents)), agents)
+            ax.set(
+                xlabel="reading agent",
+                ylabel=measure,
+                title=f"{key}: teacher-forced KL vs NonShared per agent",
+            )
+            ax.grid(alpha=0.3, axis="y")
+        axes[1].legend(fontsize=7)
+        paths.append(save_figure(fig, folder / f"{stem}_agents.png"))
         mean = run["figure2"]["mean"]
         fig, (ax_k, ax_h) = plt.subplots(1, 2, figsize=(12, 4.5))
         for method, values in mean.get("k_base_error", {}).items():
