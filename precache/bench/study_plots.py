@@ -7,6 +7,8 @@ from pathlib import Path
 
 from precache.bench.plots import plt, save_figure
 
+HIDDEN_LABELS = {"neutral": "||h^0 - h^c|| / ||h^c||", "previous": "||h^p - h^c|| / ||h^c||"}
+
 
 def _fmt(value) -> str:
     if value is None:
@@ -123,7 +125,7 @@ def plot_study(results: dict, folder: str | os.PathLike) -> list[Path]:
         for method, values in mean.get("k_base_error", {}).items():
             ax_k.plot(values, marker="o", markersize=3, label=method)
         for source, values in mean.get("hidden_error", {}).items():
-            ax_h.plot(values, marker="o", markersize=3, label=f"||h^{source[0]} - h^c|| / ||h^c||")
+            ax_h.plot(values, marker="o", markersize=3, label=HIDDEN_LABELS.get(source, source))
         ax_k.set(xlabel="layer", ylabel="relative K base error", title="shared base cache vs own (Figure 2)")
         ax_h.set(xlabel="layer", ylabel="relative hidden-state error", title="neutral vs previous agent")
         for ax in (ax_k, ax_h):
