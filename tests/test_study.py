@@ -201,6 +201,15 @@ def test_study_end_to_end(smollm_vocab, monkeypatch, tmp_path):
     assert all(len(v) == layers for v in fig2["mean"]["k_base_error"].values())
     same = [t for t in fig2["transitions"] if t["previous"] == t["current"]]
     assert all(t["k_base_error"]["prelrshared"] == [0.0] * layers for t in same)
+    # the means are over hand-overs between different agents only
+    handovers = [t for t in fig2["transitions"] if t["previous"] != t["current"]]
+    assert fig2["across"] == len(handovers) > 0
+    if handovers:
+        want = [
+            sum(t["k_base_error"]["rebaseshared"][i] for t in handovers) / len(handovers)
+            for i in range(layers)
+        ]
+        assert fig2["mean"]["k_base_error"]["rebaseshared"] == pytest.approx(want)
     pngs = sorted(tmp_path.glob("*.png"))
     assert len(pngs) == 4 and all(p.read_bytes()[:8] == PNG_MAGIC for p in pngs)
     # per reading agent: NonShared is exact; the split covers every forced turn of the method
@@ -210,7 +219,8 @@ def test_study_end_to_end(smollm_vocab, monkeypatch, tmp_path):
     assert all(turns == forced_turns["nonshared"] for turns in forced_turns.values())  # same trajectories
     assert set(forced_turns["nonshared"]) <= set(ROLES) and sum(forced_turns["nonshared"].values()) > 0
     markdown = (tmp_path / "study.md").read_text(encoding="utf-8")
-    assert "| nonshared | " in markdown and "ReBaseShared beats PreLRShared on" in markdown
+    assert "| nonshared | " in markdown and "ReBaseShared-LP beats PreLRShared on" in markdown
+    assert "Settings: split dev, limit 2" in markdown and "`turn_match`" in markdown
     assert "| method | agent | turns | first_kl | mean_kl | k_error_own | k_error_other |" in markdown
 
 
@@ -236,4 +246,4 @@ def test_study_resumes_from_stored_questions(smollm_vocab, monkeypatch, tmp_path
     other = [a if a != "3" else "4" for a in argv]  # --max-new-tokens 4
     assert main(other) == 2
     err = capsys.readouterr().err
-    assert "StoredResultsError" in err and "'max_new_tokens': 3" in err and "'max_new_tokens': 4" in err
+    assert "StoredResultsError" in err and "max_new_tokens 3 there, 4 now" in err

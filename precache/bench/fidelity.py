@@ -16,7 +16,9 @@ distribution can be compared position by position. Per agent turn:
   adapter); ``K_view`` is the keys the method lets the agent attend to there: its full cache
   (NonShared, FullShared) or the shared base plus its RoPE'd LoRA part ``Kb + RoPE(s Lk_a B_a^k)``
   (DESIGN.md, Notation); likewise ``V_view = Vb + s Lv_a B_a^v``. Measured after the turn, since
-  entries before ``s`` never change during it. None on a turn with ``s = 0``.
+  entries before ``s`` never change during it. None on a turn with ``s = 0``, and under the
+  selective-recompute methods (``turn_local_view``: the blended view they attend to is dropped
+  when the turn ends, so it cannot be measured after it).
 - ``k_error_own[l]`` / ``k_error_other[l]`` (likewise ``v_``): the same error over the earlier
   positions the turn's agent wrote itself (the segments of its own earlier turns: their appended
   and generated tokens) and over the positions the other agents wrote; None where there are none.
@@ -97,7 +99,7 @@ def _turn_record(
         "top1": sum(same) / len(same),
         **{f"{side}_error{part}": None for side in "kv" for part in ("", "_own", "_other")},
     }
-    if processed > 0:
+    if processed > 0 and not session.method.turn_local_view:
         record["k_error"], record["v_error"] = layer_errors(reference, session, turn.agent, processed)
         own = torch.tensor([w == turn.agent for w in writers[:processed]])
         for part, mask in (("_own", own), ("_other", ~own)):

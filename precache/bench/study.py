@@ -227,8 +227,13 @@ class PointStore:
         if meta.is_file():
             stored = json.loads(meta.read_text())
             if stored != settings:
+                differ = ", ".join(
+                    f"{key} {stored.get(key)!r} there, {settings.get(key)!r} now"
+                    for key in sorted(set(stored) | set(settings), key=str)
+                    if stored.get(key) != settings.get(key)
+                )
                 raise StoredResultsError(
-                    f"{self.folder} holds questions run with {stored}, not {settings}: use another --out"
+                    f"{self.folder} holds questions run with other settings ({differ}): use another --out"
                 )
         else:
             meta.write_text(json.dumps(settings, indent=1) + "\n")
@@ -279,9 +284,9 @@ def run_point(
                 engines, group, benchmark, concurrency, model=model, adapters=adapters, **episode_kwargs
             ):
                 store.save(entry)
-            logger.warning(
+            logger.info(
                 "%s: %d of %d questions done",
-                store.folder.name,
+                store.folder,
                 len(questions) - len(store.missing(questions)),
                 len(questions),
             )

@@ -111,15 +111,18 @@ def trajectory_transitions(model, adapters: dict, turns: list) -> list[dict]:
 
 
 def summarize_transitions(transitions: list[dict]) -> dict:
-    """``{"transitions", "mean", "neutral_closer_layers"}``: ``mean`` holds the means over
-    ``transitions`` per layer of each error; ``neutral_closer_layers`` the layers where the mean
-    ``hidden_error["neutral"]`` is below ``["previous"]``."""
+    """``{"transitions", "across", "mean", "neutral_closer_layers"}``: ``mean`` holds the means per
+    layer of each error over the transitions between two different agents (``across`` of them;
+    a turn after the same agent's turn is kept in ``transitions`` but left out of the means: its
+    previous-agent errors are zero by construction, and the paper's Figure 2 is about hand-overs);
+    ``neutral_closer_layers`` the layers where the mean ``hidden_error["neutral"]`` is below
+    ``["previous"]``."""
+    across = [t for t in transitions if t["previous"] != t["current"]]
     mean: dict = {}
     for group in ("k_base_error", "v_base_error", "hidden_error"):
-        keys = transitions[0][group] if transitions else {}
+        keys = across[0][group] if across else {}
         mean[group] = {
-            key: [sum(v) / len(v) for v in zip(*(t[group][key] for t in transitions), strict=True)]
-            for key in keys
+            key: [sum(v) / len(v) for v in zip(*(t[group][key] for t in across), strict=True)] for key in keys
         }
     hidden = mean.get("hidden_error", {})
     closer = [
@@ -127,7 +130,7 @@ def summarize_transitions(transitions: list[dict]) -> dict:
         for i, (a, b) in enumerate(zip(hidden.get("neutral", []), hidden.get("previous", []), strict=True))
         if a < b
     ]
-    return {"transitions": transitions, "mean": mean, "neutral_closer_layers": closer}
+    return {"transitions": transitions, "across": len(across), "mean": mean, "neutral_closer_layers": closer}
 
 
 def figure2(model, adapters: dict, trajectories: list[list]) -> dict:

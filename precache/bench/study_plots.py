@@ -18,9 +18,28 @@ def _fmt(value) -> str:
     return str(value)
 
 
+LEGEND = """Columns: the benchmark's accuracy (HotpotQA: EM, F1; ScienceQA: option accuracy) of the
+free-running episodes; `<metric>_drop` = NonShared's minus the method's (positive: a loss);
+`agreement`: the share of questions whose final answer equals NonShared's; `turn_match`: the share
+of NonShared's turns the method reproduces token for token, in order, up to the first that differs;
+`first_kl` / `mean_kl`: teacher-forced KL(NonShared || method) in nats at a turn's first generated
+token / over all its generated tokens, on NonShared's recorded trajectories; `k_error_own` /
+`k_error_other`: relative K error of the view the reading agent attends to against its own
+NonShared cache, over the earlier segments it wrote itself / the other agents wrote (`-`: the
+selective-recompute methods, whose view lives only during the turn); `sum_ttft_s`: seconds, summed
+over every turn of the free-running episodes; `prefill_tokens`: summed likewise."""
+
+
 def study_markdown(results: dict) -> str:
-    """Per run (benchmark / adapter set): the table, Figure 2's means over layers, the sweep."""
-    lines = []
+    """A title with the run's settings and a legend; per run (benchmark / adapter set): the table,
+    the teacher-forced measures per reading agent, Figure 2's means over layers, the sweep."""
+    config = results.get("config", {})
+    settings = ", ".join(
+        f"{key} {config[key]}"
+        for key in ("split", "limit", "sweep_limit", "max_steps", "max_new_tokens", "scales", "concurrency")
+        if key in config
+    )
+    lines = ["# precache study", "", f"Settings: {settings}." if settings else "", "", LEGEND, ""]
     for note in results.get("skipped", []):
         lines.append(f"> {note}\n")
     for key, run in results["runs"].items():
@@ -43,25 +62,42 @@ def study_markdown(results: dict) -> str:
             for agent, part in row.get("by_agent", {}).items():
                 cells = [part[c] for c in ("turns", "first_kl", "mean_kl", "k_error_own", "k_error_other")]
                 lines.append(f"| {method} | {agent} | " + " | ".join(_fmt(c) for c in cells) + " |")
-        mean = run["figure2"]["mean"]
-        lines += ["", "Figure 2 (mean over layers and transitions, relative to the current agent's own):", ""]
+        figure2 = run["figure2"]
+        mean, across = figure2["mean"], figure2.get("across", len(figure2["transitions"]))
+        lines += [
+            "",
+            f"Figure 2, over {across} hand-overs between two different agents (means over layers, "
+            "relative to what the current agent builds from its own hidden states):",
+            "",
+        ]
+        if not across:
+            lines.append("- no hand-over between two different agents in these trajectories")
         for method, values in mean.get("k_base_error", {}).items():
             lines.append(f"- K base error, {method}: {_fmt(sum(values) / len(values))}")
         for source, values in mean.get("hidden_error", {}).items():
-            lines.append(f"- hidden-state error, {source}: {_fmt(sum(values) / len(values))}")
-        lines.append(f"- layers where the neutral base is closer: {run['figure2']['neutral_closer_layers']}")
+            lines.append(
+                f"- hidden-state error, {HIDDEN_LABELS.get(source, source)}: {_fmt(sum(values) / len(values))}"
+            )
+        if across:
+            lines.append(f"- layers where the neutral base is closer: {figure2['neutral_closer_layers']}")
         lines += [
+            "",
+            f"Adapter-strength sweep ({run.get('sweep_questions', run['questions'])} questions; every B scaled):",
             "",
             "| scale | method | mean_kl | agreement | " + metrics[0] + " |",
             "|---|---|---|---|---|",
         ]
+        beats_lines = []
         for scale, point in run["sweep"].items():
             for method, row in point["methods"].items():
                 lines.append(
                     f"| {scale} | {method} | {_fmt(row['mean_kl'])} | {_fmt(row['agreement'])} | {_fmt(row[metrics[0]])} |"
                 )
-            beats = ", ".join(k for k, v in point["rebase_beats"].items() if v) or "none"
-            lines.append(f"| {scale} | ReBaseShared beats PreLRShared on | {beats} | | |")
+            if point["rebase_beats"]:
+                beats = ", ".join(k for k, v in point["rebase_beats"].items() if v) or "nothing"
+                beats_lines.append(f"- scale {scale}: ReBaseShared-LP beats PreLRShared on {beats}")
+        if beats_lines:
+            lines += ["", *beats_lines]
         lines.append("")
     return "\n".join(lines)
 
@@ -126,8 +162,14 @@ def plot_study(results: dict, folder: str | os.PathLike) -> list[Path]:
             ax_k.plot(values, marker="o", markersize=3, label=method)
         for source, values in mean.get("hidden_error", {}).items():
             ax_h.plot(values, marker="o", markersize=3, label=HIDDEN_LABELS.get(source, source))
-        ax_k.set(xlabel="layer", ylabel="relative K base error", title="shared base cache vs own (Figure 2)")
-        ax_h.set(xlabel="layer", ylabel="relative hidden-state error", title="neutral vs previous agent")
+        ax_k.set(
+            xlabel="layer",
+            ylabel="relative K base error",
+            title=f"{key}: shared base cache vs own (Figure 2)",
+        )
+        ax_h.set(
+            xlabel="layer", ylabel="relative hidden-state error", title=f"{key}: neutral vs previous agent"
+        )
         for ax in (ax_k, ax_h):
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)

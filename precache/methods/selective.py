@@ -90,6 +90,8 @@ class SelectiveRecompute(FullShared):
     """Base class of CacheBlend, DroidSpeak and RelayCaching: a subclass says what the recompute
     row does (:meth:`recompute`) over ``n`` reused tokens; None skips it."""
 
+    turn_local_view = True
+
     def new_state(self) -> SelectiveState:
         return SelectiveState(full={"shared": self.new_kv_store()})
 
