@@ -237,9 +237,9 @@ def _benchmark_option(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--method", default="prelrshared", help="sharing method (nonshared, prelrshared, ...)"
-    )
+    from precache.methods import METHODS
+
+    parser.add_argument("--method", default="prelrshared", help="sharing method: " + ", ".join(METHODS))
     parser.add_argument(
         "--adapters",
         default="qv",
