@@ -268,3 +268,38 @@ def test_figure2_means_cover_hand_overs_only():
     assert out["neutral_closer_layers"] == [1]  # 0.2 < 0.25; layer 0 ties
     none = summarize_transitions([transition("plan", "plan", 0.0, [0.0], [0.0])])
     assert none["across"] == 0 and none["mean"]["k_base_error"] == {} and none["neutral_closer_layers"] == []
+
+
+def test_sign_test_matches_the_binomial_tail():
+    from precache.bench.study import sign_test
+
+    assert sign_test(0, 0) == 1.0 and sign_test(3, 3) == 1.0
+    assert sign_test(5, 0) == pytest.approx(2 / 32)  # 2 * P[X <= 0], X ~ Bin(5, 1/2)
+    assert sign_test(1, 9) == pytest.approx(2 * (1 + 10) / 1024) == sign_test(9, 1)
+    assert sign_test(10, 4) == pytest.approx(
+        2 * sum(__import__("math").comb(14, k) for k in range(5)) / 2**14
+    )
+
+
+def test_paired_counts_questions_where_one_method_scores_higher():
+    from precache.agents.benchmark import SCIENCEQA
+    from precache.bench.study import paired
+
+    def q(a_agrees, a_acc, b_agrees, b_acc):
+        return {
+            "methods": {
+                "rebaseshared-lp": {"agrees": a_agrees, "accuracy": a_acc},
+                "prelrshared": {"agrees": b_agrees, "accuracy": b_acc},
+            }
+        }
+
+    entries = [
+        q(True, 1.0, False, 0.0),
+        q(True, 0.0, True, 0.0),
+        q(False, 0.0, True, 1.0),
+        q(True, 1.0, False, 1.0),
+    ]
+    out = paired(entries, "rebaseshared-lp", "prelrshared", SCIENCEQA)
+    assert out["agrees"] == {"better": 2, "worse": 1, "p": 1.0}
+    assert out["accuracy"]["better"] == 1 and out["accuracy"]["worse"] == 1
+    assert paired(entries, "rebaseshared-lp", "cacheblend", SCIENCEQA) == {}

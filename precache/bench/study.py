@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import re
 from collections.abc import Callable
@@ -293,6 +294,34 @@ def run_point(
     return store.load(questions)
 
 
+def paired(entries: list[dict], method: str, other: str, benchmark) -> dict:
+    """Question by question, ``method`` against ``other``: for ``agrees`` (the answer equals
+    NonShared's) and each of ``benchmark.metrics``, how many questions ``method`` scores higher
+    (``better``) and lower (``worse``), and the exact two-sided sign-test p-value of that split
+    (McNemar's exact test for the 0/1 measures: under "neither is better" each discordant question
+    goes either way with probability 1/2). Empty when either method did not run."""
+    if not entries or any(m not in entries[0]["methods"] for m in (method, other)):
+        return {}
+    out = {}
+    for measure in ("agrees", *benchmark.metrics):
+        a = [float(q["methods"][method][measure]) for q in entries]
+        b = [float(q["methods"][other][measure]) for q in entries]
+        better = sum(x > y for x, y in zip(a, b, strict=True))
+        worse = sum(x < y for x, y in zip(a, b, strict=True))
+        out[measure] = {"better": better, "worse": worse, "p": sign_test(better, worse)}
+    return out
+
+
+def sign_test(better: int, worse: int) -> float:
+    """Exact two-sided sign-test p-value of ``better`` against ``worse`` (ties dropped):
+    ``min(1, 2 P[X <= min(better, worse)])`` for X ~ Binomial(better + worse, 1/2)."""
+    n = better + worse
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(better, worse) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
 def _rebase_beats(point: dict, metric: str) -> dict:
     pre, rebase = point.get("prelrshared"), point.get("rebaseshared-lp")
     if pre is None or rebase is None:
@@ -322,8 +351,9 @@ def run_study(
     The table and Figure 2 run at scale 1 with ``methods`` (NonShared first) on ``questions``;
     each scale of ``scales`` runs :data:`SWEEP_METHODS` among ``methods`` on adapters scaled by it
     (:func:`scaled_adapter`; scale 1 is the table's run) on the first ``sweep_limit`` questions
-    (default: all). Returns ``{"questions", "sweep_questions", "table", "figure2", "sweep":
-    {scale: {"methods": {method: row}, "rebase_beats": {measure: bool}}}}``.
+    (default: all). Returns ``{"questions", "sweep_questions", "table", "paired", "figure2",
+    "sweep": {scale: {"methods": {method: row}, "rebase_beats": {measure: bool}, "paired"}}}``
+    (``paired``: ReBaseShared-LP against PreLRShared question by question, :func:`paired`).
 
     Raises:
         StoredResultsError: ``folder`` holds results run with other settings.
@@ -369,11 +399,16 @@ def run_study(
                 **episode_kwargs,
             )
         point = table(entries, benchmark, sweep_methods)
-        sweep[str(scale)] = {"methods": point, "rebase_beats": _rebase_beats(point, benchmark.metrics[0])}
+        sweep[str(scale)] = {
+            "methods": point,
+            "rebase_beats": _rebase_beats(point, benchmark.metrics[0]),
+            "paired": paired(entries, "rebaseshared-lp", "prelrshared", benchmark),
+        }
     return {
         "questions": len(questions),
         "sweep_questions": len(sweep_questions),
         "table": table(main, benchmark, methods),
+        "paired": paired(main, "rebaseshared-lp", "prelrshared", benchmark),
         "figure2": summarize_transitions([t for q in main for t in q["figure2"]]),
         "sweep": sweep,
     }

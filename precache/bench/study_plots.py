@@ -62,6 +62,14 @@ def study_markdown(results: dict) -> str:
             for agent, part in row.get("by_agent", {}).items():
                 cells = [part[c] for c in ("turns", "first_kl", "mean_kl", "k_error_own", "k_error_other")]
                 lines.append(f"| {method} | {agent} | " + " | ".join(_fmt(c) for c in cells) + " |")
+        pairs = run.get("paired") or {}
+        if pairs:
+            lines += ["", "ReBaseShared-LP against PreLRShared, question by question (exact sign test):", ""]
+            for measure, c in pairs.items():
+                lines.append(
+                    f"- {measure}: ReBaseShared-LP higher on {c['better']}, lower on {c['worse']} "
+                    f"questions (p = {c['p']:.3g})"
+                )
         figure2 = run["figure2"]
         mean, across = figure2["mean"], figure2.get("across", len(figure2["transitions"]))
         lines += [
