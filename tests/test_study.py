@@ -235,6 +235,15 @@ def test_study_resumes_from_stored_questions(smollm_vocab, monkeypatch, tmp_path
     assert main(argv) == 0
     assert json.loads((tmp_path / "study.json").read_text(encoding="utf-8"))["runs"] == first
 
+    # --report-only runs nothing: over a larger --limit it reports the 2 stored questions
+    report_argv = [*argv, "--limit", "5", "--report-only"]  # the last --limit wins
+    assert main(report_argv) == 0
+    reported = json.loads((tmp_path / "study.json").read_text(encoding="utf-8"))["runs"]
+    assert reported[f"hotpotqa/{root}"]["questions"] == 2
+    assert reported[f"hotpotqa/{root}"]["table"] == run["table"]
+    assert main(["study", "--adapters", str(root), "--report-only", "--out", str(tmp_path / "empty")]) == 2
+    assert "nothing stored" in capsys.readouterr().err
+
     other = [a if a != "3" else "4" for a in argv]  # --max-new-tokens 4
     assert main(other) == 2
     err = capsys.readouterr().err

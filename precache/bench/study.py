@@ -246,6 +246,10 @@ class PointStore:
         """The questions with no stored result, in order."""
         return [q for q in questions if not self._path(q.id).is_file()]
 
+    def stored(self, questions: list) -> list:
+        """The questions with a stored result, in order."""
+        return [q for q in questions if self._path(q.id).is_file()]
+
     def save(self, entry: dict) -> None:
         """Store one question's entry (written to a temporary file, then renamed)."""
         import json
@@ -343,8 +347,9 @@ def run_study(
     folder: str | os.PathLike,
     concurrency: int = 1,
     sweep_limit: int | None = None,
+    report_only: bool = False,
     **episode_kwargs,
-) -> dict:
+) -> dict | None:
     """The study of one benchmark x adapter set (``adapters``: loaded ``LoRAAdapter`` by role),
     stored question by question under ``folder`` (:class:`PointStore`; a study that stopped resumes).
 
@@ -354,6 +359,10 @@ def run_study(
     (default: all). Returns ``{"questions", "sweep_questions", "table", "paired", "figure2",
     "sweep": {scale: {"methods": {method: row}, "rebase_beats": {measure: bool}, "paired"}}}``
     (``paired``: ReBaseShared-LP against PreLRShared question by question, :func:`paired`).
+
+    With ``report_only`` nothing runs: the table covers the questions of ``questions`` stored at
+    scale 1, the sweep the first ``sweep_limit`` of them stored at every stored scale (a scale with
+    nothing stored is left out); None when nothing is stored for this benchmark x adapter set.
 
     Raises:
         StoredResultsError: ``folder`` holds results run with other settings.
@@ -370,8 +379,21 @@ def run_study(
 
     settings = {"benchmark": benchmark.name, "model": str(getattr(model, "path", None)), **episode_kwargs}
     folder = Path(folder)
+    sweep_methods = [m for m in methods if m in SWEEP_METHODS]
+
+    def store_at(scale: float, names: list[str]) -> PointStore | None:
+        path = folder / f"scale-{scale}"
+        if report_only and not (path / "point.json").is_file():
+            return None
+        return PointStore(path, {**settings, "scale": scale, "methods": names})
+
+    main_store = store_at(1.0, methods)
+    if main_store is None:
+        return None
+    if report_only:
+        questions = main_store.stored(questions)
     main = run_point(
-        PointStore(folder / "scale-1.0", {**settings, "scale": 1.0, "methods": methods}),
+        main_store,
         engines_at(1.0, methods),
         questions,
         benchmark,
@@ -381,23 +403,27 @@ def run_study(
         **episode_kwargs,
     )
     sweep_questions = questions[:sweep_limit]
-    sweep_methods = [m for m in methods if m in SWEEP_METHODS]
+    stores = {scale: store_at(scale, sweep_methods) for scale in scales if scale != 1.0}
+    stores = {scale: store for scale, store in stores.items() if store is not None}
+    if report_only:  # the questions every stored scale has, so that the points compare
+        for store in stores.values():
+            sweep_questions = store.stored(sweep_questions)
     sweep = {}
     for scale in scales:
         if scale == 1.0:
-            entries = main[: len(sweep_questions)]
-        else:
-            store = PointStore(
-                folder / f"scale-{scale}", {**settings, "scale": scale, "methods": sweep_methods}
-            )
+            by_id = {q["id"]: q for q in main}
+            entries = [by_id[q.id] for q in sweep_questions]
+        elif scale in stores:
             entries = run_point(
-                store,
+                stores[scale],
                 engines_at(scale, sweep_methods),
                 sweep_questions,
                 benchmark,
                 concurrency,
                 **episode_kwargs,
             )
+        else:
+            continue
         point = table(entries, benchmark, sweep_methods)
         sweep[str(scale)] = {
             "methods": point,
@@ -474,24 +500,33 @@ def _study(args: argparse.Namespace) -> int:
         adapters = {role: load_adapter(folder, model.config, role) for role, folder in folders.items()}
         questions = bench.load_questions(args.split)[: args.limit]
         folder = out / "questions" / re.sub(r"[^A-Za-z0-9_.-]", "_", f"{bench.name}-{name}")
-        results["runs"][f"{bench.name}/{name}"] = {
+        study = run_study(
+            model,
+            adapters,
+            bench,
+            questions,
+            methods,
+            args.scales,
+            folder,
+            args.concurrency,
+            args.sweep_limit,
+            args.report_only,
+            max_steps=args.max_steps,
+            max_new_tokens=args.max_new_tokens,
+        )
+        if study is None:
+            results["skipped"].append(f"skipped {bench.name} x {name}: nothing stored under {folder}")
+            logger.warning(results["skipped"][-1])
+            continue
+        key = f"{bench.name}/{name}"
+        results["runs"][key] = {
             "benchmark": bench.name,
             "adapters": name,
             "metrics": list(bench.metrics),
-            **run_study(
-                model,
-                adapters,
-                bench,
-                questions,
-                methods,
-                args.scales,
-                folder,
-                args.concurrency,
-                args.sweep_limit,
-                max_steps=args.max_steps,
-                max_new_tokens=args.max_new_tokens,
-            ),
+            **study,
         }
+    if not results["runs"]:
+        raise StoredResultsError(f"nothing stored under {out / 'questions'} to report on")
     results["config"] = {k: v for k, v in vars(args).items() if k != "func"}
     report.write_json(results, out / "study.json")
     markdown = study_plots.study_markdown(results)
@@ -519,6 +554,11 @@ def add_study(sub: argparse._SubParsersAction) -> None:
     study.add_argument("--split", choices=("dev", "train", "all"), default="dev")
     study.add_argument("--limit", type=positive_int, default=None, help="first N questions of the split")
     study.add_argument("--concurrency", type=positive_int, default=1, help="episodes run at once, batched")
+    study.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: rebuild study.json, study.md and the PNGs from the questions stored under --out",
+    )
     study.add_argument(
         "--sweep-limit",
         type=positive_int,
