@@ -405,7 +405,8 @@ def run_study(
     sweep_questions = questions[:sweep_limit]
     stores = {scale: store_at(scale, sweep_methods) for scale in scales if scale != 1.0}
     stores = {scale: store for scale, store in stores.items() if store is not None}
-    if report_only:  # the questions every stored scale has, so that the points compare
+    if report_only:  # scales with something stored; the questions all of them have, so the points compare
+        stores = {scale: store for scale, store in stores.items() if store.stored(sweep_questions)}
         for store in stores.values():
             sweep_questions = store.stored(sweep_questions)
     sweep = {}
