@@ -331,6 +331,7 @@ def _rebase_beats(point: dict, metric: str) -> dict:
     if pre is None or rebase is None:
         return {}
     return {
+        "first_kl": rebase["first_kl"] < pre["first_kl"],
         "mean_kl": rebase["mean_kl"] < pre["mean_kl"],
         "agreement": rebase["agreement"] > pre["agreement"],
         metric: rebase[metric] > pre[metric],

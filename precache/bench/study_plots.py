@@ -92,15 +92,14 @@ def study_markdown(results: dict) -> str:
             "",
             f"Adapter-strength sweep ({run.get('sweep_questions', run['questions'])} questions; every B scaled):",
             "",
-            "| scale | method | mean_kl | agreement | " + metrics[0] + " |",
-            "|---|---|---|---|---|",
+            "| scale | method | first_kl | mean_kl | agreement | turn_match | " + metrics[0] + " |",
+            "|---|---|---|---|---|---|---|",
         ]
         beats_lines = []
         for scale, point in run["sweep"].items():
             for method, row in point["methods"].items():
-                lines.append(
-                    f"| {scale} | {method} | {_fmt(row['mean_kl'])} | {_fmt(row['agreement'])} | {_fmt(row[metrics[0]])} |"
-                )
+                cells = [row[c] for c in ("first_kl", "mean_kl", "agreement", "turn_match", metrics[0])]
+                lines.append(f"| {scale} | {method} | " + " | ".join(_fmt(c) for c in cells) + " |")
             if point["rebase_beats"]:
                 beats = ", ".join(k for k, v in point["rebase_beats"].items() if v) or "nothing"
                 beats_lines.append(f"- scale {scale}: ReBaseShared-LP beats PreLRShared on {beats}")
@@ -115,7 +114,7 @@ def plot_study(results: dict, folder: str | os.PathLike) -> list[Path]:
     agreement, and the teacher-forced K error over the reader's own and the other agents'
     segments, per method), ``agents.png`` (teacher-forced first and mean KL per reading agent and
     method), ``layers.png`` (Figure 2: K base error per method and hidden-state
-    errors per layer), ``sweep.png`` (mean KL, agreement and accuracy against the adapter scale).
+    errors per layer), ``sweep.png`` (first-token and mean KL, agreement and accuracy against the adapter scale).
     Returns the paths."""
     folder = Path(folder)
     paths = []
@@ -182,10 +181,10 @@ def plot_study(results: dict, folder: str | os.PathLike) -> list[Path]:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         paths.append(save_figure(fig, folder / f"{stem}_layers.png"))
-        fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+        fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
         scales = list(run["sweep"])
         for method in ("prelrshared", "rebaseshared-lp"):
-            for ax, measure in zip(axes, ("mean_kl", "agreement", metric), strict=True):
+            for ax, measure in zip(axes, ("first_kl", "mean_kl", "agreement", metric), strict=True):
                 values = [run["sweep"][s]["methods"].get(method, {}).get(measure) for s in scales]
                 if all(v is not None for v in values):
                     ax.plot([float(s) for s in scales], values, marker="o", label=method)
