@@ -193,6 +193,7 @@ def test_study_end_to_end(smollm_vocab, monkeypatch, tmp_path):
     for method, row in zero.items():
         assert row["mean_kl"] < 1e-9 and row["top1"] == 1.0, method
         assert row["agreement"] == 1.0 and row["turn_match"] == 1.0, method
+        assert row["parted_at"] == {"none": 2}, method
     assert run["sweep"]["1.0"]["methods"]["prelrshared"] == run["table"]["prelrshared"]
     assert run["table"]["rebaseshared-lp"]["mean_kl"] > 0  # the adapters do change the answers' logits
     fig2 = run["figure2"]
@@ -207,6 +208,9 @@ def test_study_end_to_end(smollm_vocab, monkeypatch, tmp_path):
     # per reading agent: NonShared is exact; the split covers every forced turn of the method
     for agent, part in ns["by_agent"].items():
         assert part["mean_kl"] == 0.0 and part["first_kl"] == 0.0, agent
+    assert ns["parted_at"] == {"none": 2}  # NonShared never parts from itself
+    for method, row in run["table"].items():
+        assert sum(row["parted_at"].values()) == 2 and set(row["parted_at"]) <= {"none", *ROLES}, method
     forced_turns = {m: {a: p["turns"] for a, p in row["by_agent"].items()} for m, row in run["table"].items()}
     assert all(turns == forced_turns["nonshared"] for turns in forced_turns.values())  # same trajectories
     assert set(forced_turns["nonshared"]) <= set(ROLES) and sum(forced_turns["nonshared"].values()) > 0

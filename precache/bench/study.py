@@ -132,12 +132,32 @@ def by_agent(forced: list[dict]) -> dict:
     return out
 
 
+def parted_at(per_question: list[dict], method: str) -> dict:
+    """Where ``method``'s free-running episodes part from NonShared's: per agent, on how many
+    questions the first turn that differs (:func:`matching_turns`) is that agent's (``"none"``: no
+    turn differs)."""
+    from precache.bench.fidelity import REFERENCE
+
+    counts: dict[str, int] = {}
+    for q in per_question:
+        record, reference = q["methods"][method], q["methods"][REFERENCE]["forced"]
+        agent = (
+            "none"
+            if record["matched"] >= record["reference_turns"]
+            else str(reference[record["matched"]]["agent"])
+        )
+        counts[agent] = counts.get(agent, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def table(per_question: list[dict], benchmark, methods: list[str]) -> dict:
     """``{method: method_row}`` over the stored questions, with ``{metric}_drop`` = the reference's
-    (NonShared's) metric minus the method's (positive: a loss)."""
+    (NonShared's) metric minus the method's (positive: a loss) and ``parted_at`` (:func:`parted_at`)."""
     from precache.bench.fidelity import REFERENCE
 
     rows = {m: method_row([q["methods"][m] for q in per_question], benchmark) for m in methods}
+    for m, row in rows.items():
+        row["parted_at"] = parted_at(per_question, m)
     for row in rows.values():
         for metric in benchmark.metrics:
             row[f"{metric}_drop"] = rows[REFERENCE][metric] - row[metric]

@@ -62,6 +62,14 @@ def study_markdown(results: dict) -> str:
             for agent, part in row.get("by_agent", {}).items():
                 cells = [part[c] for c in ("turns", "first_kl", "mean_kl", "k_error_own", "k_error_other")]
                 lines.append(f"| {method} | {agent} | " + " | ".join(_fmt(c) for c in cells) + " |")
+        lines += [
+            "",
+            "Where the free-running episodes part from NonShared's (the agent of the first turn that differs: questions):",
+            "",
+        ]
+        for method, row in run["table"].items():
+            if "parted_at" in row and method != "nonshared":
+                lines.append(f"- {method}: " + ", ".join(f"{a} {n}" for a, n in row["parted_at"].items()))
         pairs = run.get("paired") or {}
         if pairs:
             lines += ["", "ReBaseShared-LP against PreLRShared, question by question (exact sign test):", ""]
