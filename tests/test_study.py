@@ -232,8 +232,14 @@ def test_study_resumes_from_stored_questions(smollm_vocab, monkeypatch, tmp_path
     first = json.loads((tmp_path / "study.json").read_text(encoding="utf-8"))["runs"]
     run = first[f"hotpotqa/{root}"]
     assert run["questions"] == 2 and run["sweep_questions"] == 1
-    stored = sorted(p.name for p in (tmp_path / "questions").rglob("*.json"))
+    stored = sorted(p.name for p in (tmp_path / "questions").rglob("*.json*"))
     assert stored.count("point.json") == 2 and len(stored) == 2 + 2 + 1  # 2 points, 2 + 1 questions
+    import gzip
+
+    entry = json.loads(
+        gzip.decompress(next((tmp_path / "questions").glob("*/scale-1.0/*.json.gz")).read_bytes())
+    )
+    assert {"nonshared", "prelrshared"} == set(entry["methods"]) and "figure2" in entry
 
     monkeypatch.setattr(precache, "Engine", lambda *a, **k: pytest.fail("engine built on resume"))
     assert main(argv) == 0

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import logging
 import math
 import os
@@ -225,15 +226,30 @@ def run_questions(
     return out
 
 
+SIGNIFICANT = 6  # digits a stored float keeps
+
+
+def _rounded(value):
+    """``value`` (JSON-ready) with every float kept to :data:`SIGNIFICANT` significant digits."""
+    if isinstance(value, float):
+        return float(f"{value:.{SIGNIFICANT}g}")
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    return value
+
+
 class StoredResultsError(PrecacheError):
     """A study's ``--out`` folder holds questions run with other settings."""
 
 
 class PointStore:
-    """One point of the study (benchmark x adapter set x adapter scale) on disk, one JSON file per
-    question under ``folder`` (``<question id>.json``) plus ``point.json`` (the settings its
-    questions were run with), so a study that stops resumes where it stopped and two processes can
-    fill different points of one ``--out`` folder.
+    """One point of the study (benchmark x adapter set x adapter scale) on disk, one gzipped JSON
+    file per question under ``folder`` (``<question id>.json.gz``, floats kept to
+    :data:`SIGNIFICANT` significant digits) plus ``point.json`` (the settings its questions were
+    run with), so a study that stops resumes where it stopped and two processes can fill different
+    points of one ``--out`` folder.
 
     Raises:
         StoredResultsError: ``folder`` holds questions run with other settings (it names both).
@@ -260,7 +276,7 @@ class PointStore:
             meta.write_text(json.dumps(settings, indent=1) + "\n")
 
     def _path(self, question_id: str) -> Path:
-        return self.folder / (re.sub(r"[^A-Za-z0-9_.-]", "_", str(question_id)) + ".json")
+        return self.folder / (re.sub(r"[^A-Za-z0-9_.-]", "_", str(question_id)) + ".json.gz")
 
     def missing(self, questions: list) -> list:
         """The questions with no stored result, in order."""
@@ -276,14 +292,14 @@ class PointStore:
 
         path = self._path(entry["id"])
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(entry))
+        tmp.write_bytes(gzip.compress(json.dumps(_rounded(entry), separators=(",", ":")).encode(), mtime=0))
         tmp.replace(path)
 
     def load(self, questions: list) -> list[dict]:
         """The stored entries of ``questions``, in order."""
         import json
 
-        return [json.loads(self._path(q.id).read_text()) for q in questions]
+        return [json.loads(gzip.decompress(self._path(q.id).read_bytes())) for q in questions]
 
 
 def run_point(
