@@ -62,15 +62,23 @@ def layer_errors(
     """Per-layer relative Frobenius error of ``session``'s K and V view against ``reference``'s
     (NonShared) own cache of ``agent`` over ``[0, end)`` (only the ``positions`` among them when
     given: a bool mask ``[end]``): two lists of ``num_layers`` floats."""
-    k_err, v_err = [], []
+    return split_layer_errors(reference, session, agent, end, {"": positions})[""]
+
+
+def split_layer_errors(
+    reference, session, agent: str, end: int, parts: dict[str, torch.Tensor | None]
+) -> dict[str, tuple[list[float], list[float]]]:
+    """:func:`layer_errors` for several position masks (None: every position) at once, each
+    layer's views materialised once: ``{name: (k errors, v errors)}``."""
+    out: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in parts}
     for layer in range(reference.engine.model.config.num_layers):
         k_ref, v_ref = agent_kv(reference, agent, layer, end)
         k, v = agent_kv(session, agent, layer, end)
-        if positions is not None:
-            k_ref, v_ref, k, v = k_ref[positions], v_ref[positions], k[positions], v[positions]
-        k_err.append(_relative(k, k_ref))
-        v_err.append(_relative(v, v_ref))
-    return k_err, v_err
+        for name, mask in parts.items():
+            sel = slice(None) if mask is None else mask
+            out[name][0].append(_relative(k[sel], k_ref[sel]))
+            out[name][1].append(_relative(v[sel], v_ref[sel]))
+    return out
 
 
 def kl_top1(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[list[float], list[bool]]:
@@ -100,12 +108,15 @@ def _turn_record(
         **{f"{side}_error{part}": None for side in "kv" for part in ("", "_own", "_other")},
     }
     if processed > 0 and not session.method.turn_local_view:
-        record["k_error"], record["v_error"] = layer_errors(reference, session, turn.agent, processed)
         own = torch.tensor([w == turn.agent for w in writers[:processed]])
-        for part, mask in (("_own", own), ("_other", ~own)):
-            if bool(mask.any()):
-                k_err, v_err = layer_errors(reference, session, turn.agent, processed, mask)
-                record[f"k_error{part}"], record[f"v_error{part}"] = k_err, v_err
+        parts = {
+            "": None,
+            **{part: mask for part, mask in (("_own", own), ("_other", ~own)) if bool(mask.any())},
+        }
+        for part, (k_err, v_err) in split_layer_errors(
+            reference, session, turn.agent, processed, parts
+        ).items():
+            record[f"k_error{part}"], record[f"v_error{part}"] = k_err, v_err
     return record
 
 
