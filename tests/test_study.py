@@ -253,6 +253,8 @@ def test_study_resumes_from_stored_questions(smollm_vocab, monkeypatch, tmp_path
     assert reported[f"hotpotqa/{root}"]["table"] == run["table"]
     assert main(["study", "--adapters", str(root), "--report-only", "--out", str(tmp_path / "empty")]) == 2
     assert "nothing stored" in capsys.readouterr().err
+    assert main([*report_argv, "--concurrency", "4"]) == 2  # nothing runs: refused, not ignored
+    assert "--concurrency would have no effect" in capsys.readouterr().err
 
     other = [a if a != "3" else "4" for a in argv]  # --max-new-tokens 4
     assert main(other) == 2

@@ -525,6 +525,8 @@ def _study(args: argparse.Namespace) -> int:
     from precache.lora.adapter import load_adapter
     from precache.terminal import console
 
+    if args.report_only and args.concurrency != 1:
+        raise StoredResultsError("--report-only runs nothing: --concurrency would have no effect")
     if args.threads:
         torch.set_num_threads(args.threads)
     methods = methods_with_reference(args.methods)

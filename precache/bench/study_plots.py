@@ -37,7 +37,7 @@ def study_markdown(results: dict) -> str:
     settings = ", ".join(
         f"{key} {config[key]}"
         for key in ("split", "limit", "sweep_limit", "max_steps", "max_new_tokens", "scales", "concurrency")
-        if key in config
+        if key in config and not (key == "concurrency" and config.get("report_only"))
     )
     lines = ["# precache study", "", f"Settings: {settings}." if settings else "", "", LEGEND, ""]
     for note in results.get("skipped", []):
