@@ -270,7 +270,8 @@ class PointStore:
                     if stored.get(key) != settings.get(key)
                 )
                 raise StoredResultsError(
-                    f"{self.folder} holds questions run with other settings ({differ}): use another --out"
+                    f"{self.folder} holds questions run with other settings ({differ}): pass the settings "
+                    "they were run with (--methods, --max-steps, --max-new-tokens, --model), or use another --out"
                 )
         else:
             meta.write_text(json.dumps(settings, indent=1) + "\n")

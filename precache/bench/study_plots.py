@@ -169,7 +169,8 @@ def plot_study(results: dict, folder: str | os.PathLike) -> list[Path]:
                 title=f"{key}: teacher-forced KL vs NonShared per agent",
             )
             ax.grid(alpha=0.3, axis="y")
-        axes[1].legend(fontsize=7)
+        if axes[1].get_legend_handles_labels()[0]:  # nothing plotted: no empty legend
+            axes[1].legend(fontsize=7)
         paths.append(save_figure(fig, folder / f"{stem}_agents.png"))
         mean = run["figure2"]["mean"]
         fig, (ax_k, ax_h) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -187,7 +188,8 @@ def plot_study(results: dict, folder: str | os.PathLike) -> list[Path]:
         )
         for ax in (ax_k, ax_h):
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            if ax.get_legend_handles_labels()[0]:  # nothing plotted: no empty legend
+                ax.legend(fontsize=8)
         paths.append(save_figure(fig, folder / f"{stem}_layers.png"))
         fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
         scales = list(run["sweep"])
@@ -199,6 +201,7 @@ def plot_study(results: dict, folder: str | os.PathLike) -> list[Path]:
                 ax.set(xlabel="adapter scale", ylabel=measure, title=f"{key}: {measure}")
         for ax in axes:
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            if ax.get_legend_handles_labels()[0]:  # nothing plotted: no empty legend
+                ax.legend(fontsize=8)
         paths.append(save_figure(fig, folder / f"{stem}_sweep.png"))
     return paths
