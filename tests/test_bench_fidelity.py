@@ -246,3 +246,33 @@ def test_own_and_other_segment_errors(tiny, results):
         n_own, n_other = k_ref[own].norm() ** 2, k_ref[~own].norm() ** 2
         recombined = (mine[layer] ** 2 * n_own + theirs[layer] ** 2 * n_other) / (n_own + n_other)
         assert float(recombined) ** 0.5 == pytest.approx(whole[layer], rel=1e-6)
+
+
+def test_fidelity_answers_follow_the_benchmark():
+    """On ScienceQA two answers agree when they name the same option (a letter or the option's
+    text), and the summary carries option accuracy; on HotpotQA the normalised answers must match."""
+    from types import SimpleNamespace
+
+    from precache.agents.benchmark import get_benchmark
+    from precache.bench.episodes import _answers
+
+    scienceqa = get_benchmark("scienceqa")
+    question = scienceqa.load_questions("dev")[0]
+    gold = question.letters.index(question.answer)
+    other = (gold + 1) % len(question.letters)
+    ref = [SimpleNamespace(answer=question.answer, accuracy=1.0)] * 3
+    episodes = [
+        SimpleNamespace(answer=f"({question.answer})", accuracy=1.0),
+        SimpleNamespace(answer=question.choices[gold], accuracy=1.0),
+        SimpleNamespace(answer=question.letters[other], accuracy=0.0),
+    ]
+    summary = _answers(episodes, ref, [question] * 3, scienceqa)
+    assert summary["agreement"] == pytest.approx(2 / 3) and summary["accuracy"] == pytest.approx(2 / 3)
+    assert "em" not in summary
+    hotpotqa = get_benchmark("hotpotqa")
+    hp = SimpleNamespace(answer="The Eiffel Tower", em=1.0, f1=1.0)
+    summary = _answers([hp, hp], [SimpleNamespace(answer="eiffel tower")] * 2, [None, None], hotpotqa)
+    assert summary["agreement"] == 1.0 and summary["em"] == 1.0 and summary["f1"] == 1.0
+    assert report.fidelity_markdown(
+        {"benchmark": "scienceqa", "metrics": ["accuracy"], "episodes": 3, "turns": 9, "methods": {"x": summary}}
+    ).count("option accuracy") == 1

@@ -212,14 +212,15 @@ def test_an_empty_question_file_is_refused(tmp_path):
 # -- output -----------------------------------------------------------------------------------------
 def test_tables_print_whole_when_piped(capsys):
     names = ("nonshared", "rebaseshared-lp")
-    summary = {k: 0.123456 for k, _, _ in report.FIDELITY_COLUMNS}
-    result = {"methods": dict.fromkeys(names, summary)}
+    summary = {k: 0.123456 for k, _, _ in report.FIDELITY_COLUMNS} | {"em": 0.123456, "f1": 0.123456}
+    result = {"methods": dict.fromkeys(names, summary)}  # no "metrics": HotpotQA's EM and F1
     out = console()  # stdout is captured here, as in a pipe
     assert not out.is_terminal and out.width == PIPE_WIDTH
     out.print(report.fidelity_table(result))
     lines = capsys.readouterr().out.splitlines()
     header = [line for line in lines if "method" in line]
     assert len(header) == 1 and all(h in header[0] for _, h, _ in report.FIDELITY_COLUMNS)
+    assert "EM" in header[0] and "F1" in header[0]
     row = [line for line in lines if "rebaseshared-lp" in line]
     assert len(row) == 1 and row[0].count("1.23e-01") == 4 and row[0].count("0.123") == 5
     assert len(header[0]) > 80  # what rich's 80 columns of a pipe would have cut

@@ -68,15 +68,16 @@ def _fidelity(args: argparse.Namespace) -> int:
     import torch
 
     import precache
-    from precache.agents.data import load_questions
+    from precache.agents.benchmark import get_benchmark
     from precache.bench import plots, report
     from precache.bench.episodes import run_fidelity
 
     if args.threads:
         torch.set_num_threads(args.threads)
     methods = methods_with_reference(args.methods)
-    adapters = adapter_set(args.adapters, ["plan", "action", "reflect"])
-    questions = load_questions(args.split)[: args.limit]
+    benchmark = get_benchmark(args.benchmark)
+    adapters = adapter_set(benchmark.adapters(args.adapters), ["plan", "action", "reflect"])
+    questions = benchmark.load_questions(args.split)[: args.limit]
     model = precache.load_model(args.model)
     # each method computes every turn itself: the reference and the teacher-forced runs share a prompt
     engines = {m: precache.Engine(model, adapters=adapters, method=m, prefix_caching=False) for m in methods}
@@ -86,6 +87,7 @@ def _fidelity(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         max_steps=args.max_steps,
         max_new_tokens=args.max_new_tokens,
+        benchmark=benchmark,
     )
     result["config"] = {k: v for k, v in vars(args).items() if k != "func"}
     report.write_json(result, args.json)
@@ -138,6 +140,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     trace.set_defaults(func=_bench_trace)
 
     fidelity = sub.add_parser("fidelity", help="KL, top-1, base-cache error and answers vs NonShared")
+    fidelity.add_argument("--benchmark", choices=("hotpotqa", "scienceqa"), default="hotpotqa")
     fidelity.add_argument("--split", choices=("dev", "train", "all"), default="dev")
     fidelity.add_argument("--limit", type=positive_int, default=None, help="first N questions of the split")
     fidelity.add_argument("--max-steps", type=int, default=8, help="plan steps per episode")

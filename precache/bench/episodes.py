@@ -65,17 +65,14 @@ def summarize_turns(records: list[dict]) -> dict:
     return out
 
 
-def _answers(episodes: list, reference: list) -> dict:
-    from precache.agents.scoring import normalize_answer
-
+def _answers(episodes: list, reference: list, questions: list, benchmark) -> dict:
     same = [
-        normalize_answer(a.answer) == normalize_answer(b.answer)
-        for a, b in zip(episodes, reference, strict=True)
+        benchmark.answer_key(a.answer, q) == benchmark.answer_key(b.answer, q)
+        for a, b, q in zip(episodes, reference, questions, strict=True)
     ]
     return {
         "agreement": _mean([float(s) for s in same]),
-        "em": _mean([e.em for e in episodes]),
-        "f1": _mean([e.f1 for e in episodes]),
+        **{metric: _mean([getattr(e, metric) for e in episodes]) for metric in benchmark.metrics},
         "answers": [e.answer for e in episodes],
     }
 
@@ -86,12 +83,17 @@ def run_fidelity(
     """Fidelity of every engine (by method name) against ``engines[reference]`` on ``questions``.
 
     ``episode_kwargs`` go to :func:`precache.agents.loop.run_episode` (``max_steps``,
-    ``max_new_tokens``); ``concurrency`` questions run at once. Returns ``{"episodes", "turns",
-    "methods": {name: summary}, "per_turn": {name: [records]}}`` (in the order of ``questions``); a
-    summary has :func:`summarize_turns`'s fields plus ``agreement`` (share of normalised final
-    answers equal to the reference's, free-running), ``em`` and ``f1``.
+    ``max_new_tokens``, ``benchmark``: HotpotQA unless given); ``concurrency`` questions run at
+    once. Returns ``{"benchmark", "metrics", "episodes", "turns", "methods": {name: summary},
+    "per_turn": {name: [records]}}`` (in the order of ``questions``); a summary has
+    :func:`summarize_turns`'s fields plus ``agreement`` (share of free-running final answers whose
+    ``benchmark.answer_key`` equals the reference's: the normalised answer on HotpotQA, the option
+    letter on ScienceQA) and the benchmark's metrics (EM and F1; option accuracy).
     """
+    from precache.agents.benchmark import get_benchmark
     from precache.agents.loop import run_episode
+
+    benchmark = episode_kwargs.get("benchmark") or get_benchmark("hotpotqa")
 
     def record(question):
         rec = RecordingSession(engines[reference].session())
@@ -119,9 +121,12 @@ def run_fidelity(
                 desc=f"free {name}",
             )
     methods = {
-        name: {**summarize_turns(per_turn[name]), **_answers(free[name], ref_episodes)} for name in engines
+        name: {**summarize_turns(per_turn[name]), **_answers(free[name], ref_episodes, questions, benchmark)}
+        for name in engines
     }
     return {
+        "benchmark": benchmark.name,
+        "metrics": list(benchmark.metrics),
         "episodes": len(questions),
         "turns": sum(len(turns) for _, turns in recorded),
         "reference": reference,

@@ -25,9 +25,9 @@ FIDELITY_COLUMNS = (
     ("k_error", "K rel. error", "{:.2e}"),
     ("v_error", "V rel. error", "{:.2e}"),
     ("agreement", "answer agreement", "{:.3f}"),
-    ("em", "EM", "{:.3f}"),
-    ("f1", "F1", "{:.3f}"),
 )
+#: headers of the benchmarks' accuracy metrics (``Benchmark.metrics``)
+METRIC_HEADERS = {"em": "EM", "f1": "F1", "accuracy": "option accuracy"}
 
 
 def write_json(data: dict, path: str | os.PathLike) -> None:
@@ -78,26 +78,34 @@ def trace_table(result: dict) -> Table:
     return table
 
 
-def _fidelity_cells(summary: dict) -> list[str]:
-    return ["-" if summary.get(k) is None else fmt.format(summary[k]) for k, _, fmt in FIDELITY_COLUMNS]
+def _fidelity_columns(result: dict) -> list[tuple[str, str, str]]:
+    """:data:`FIDELITY_COLUMNS` then the benchmark's metrics (``result["metrics"]``, default EM, F1)."""
+    metrics = result.get("metrics", ("em", "f1"))
+    return [*FIDELITY_COLUMNS, *((m, METRIC_HEADERS.get(m, m), "{:.3f}") for m in metrics)]
+
+
+def _fidelity_cells(summary: dict, columns) -> list[str]:
+    return ["-" if summary.get(k) is None else fmt.format(summary[k]) for k, _, fmt in columns]
 
 
 def fidelity_markdown(result: dict) -> str:
     """One row per method: mean KL(NonShared || method), top-1 agreement, base-cache error, answers."""
-    header = ["method", *(h for _, h, _ in FIDELITY_COLUMNS)]
+    columns = _fidelity_columns(result)
+    header = ["method", *(h for _, h, _ in columns)]
     lines = [
-        f"Fidelity against NonShared over {result['episodes']} episodes, {result['turns']} agent turns.",
+        f"Fidelity against NonShared ({result.get('benchmark', 'hotpotqa')}) over {result['episodes']} episodes, {result['turns']} agent turns.",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
     ]
     for name, summary in result["methods"].items():
-        lines.append("| " + " | ".join([name, *_fidelity_cells(summary)]) + " |")
+        lines.append("| " + " | ".join([name, *_fidelity_cells(summary, columns)]) + " |")
     return "\n".join(lines) + "\n"
 
 
 def fidelity_table(result: dict) -> Table:
-    table = _table("fidelity vs nonshared", [h for _, h, _ in FIDELITY_COLUMNS])
+    columns = _fidelity_columns(result)
+    table = _table(f"fidelity vs nonshared ({result.get('benchmark', 'hotpotqa')})", [h for _, h, _ in columns])
     for name, summary in result["methods"].items():
-        table.add_row(name, *_fidelity_cells(summary))
+        table.add_row(name, *_fidelity_cells(summary, columns))
     return table
