@@ -273,6 +273,15 @@ def test_fidelity_answers_follow_the_benchmark():
     hp = SimpleNamespace(answer="The Eiffel Tower", em=1.0, f1=1.0)
     summary = _answers([hp, hp], [SimpleNamespace(answer="eiffel tower")] * 2, [None, None], hotpotqa)
     assert summary["agreement"] == 1.0 and summary["em"] == 1.0 and summary["f1"] == 1.0
-    assert report.fidelity_markdown(
-        {"benchmark": "scienceqa", "metrics": ["accuracy"], "episodes": 3, "turns": 9, "methods": {"x": summary}}
-    ).count("option accuracy") == 1
+    assert (
+        report.fidelity_markdown(
+            {
+                "benchmark": "scienceqa",
+                "metrics": ["accuracy"],
+                "episodes": 3,
+                "turns": 9,
+                "methods": {"x": summary},
+            }
+        ).count("option accuracy")
+        == 1
+    )

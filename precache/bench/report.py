@@ -105,7 +105,9 @@ def fidelity_markdown(result: dict) -> str:
 
 def fidelity_table(result: dict) -> Table:
     columns = _fidelity_columns(result)
-    table = _table(f"fidelity vs nonshared ({result.get('benchmark', 'hotpotqa')})", [h for _, h, _ in columns])
+    table = _table(
+        f"fidelity vs nonshared ({result.get('benchmark', 'hotpotqa')})", [h for _, h, _ in columns]
+    )
     for name, summary in result["methods"].items():
         table.add_row(name, *_fidelity_cells(summary, columns))
     return table
