@@ -251,6 +251,17 @@ def test_study_resumes_from_stored_questions(smollm_vocab, monkeypatch, tmp_path
     reported = json.loads((tmp_path / "study.json").read_text(encoding="utf-8"))["runs"]
     assert reported[f"hotpotqa/{root}"]["questions"] == 2
     assert reported[f"hotpotqa/{root}"]["table"] == run["table"]
+    # --report-only without the run's flags takes them from the stored point
+    bare = ["study", "--adapters", str(root), "--limit", "5", "--report-only", "--out", str(tmp_path)]
+    assert main([*bare, "--scales", "1,0.5", "--sweep-limit", "1"]) == 0
+    bare_report = json.loads((tmp_path / "study.json").read_text(encoding="utf-8"))
+    assert bare_report["runs"] == reported
+    assert (
+        bare_report["config"]["max_new_tokens"] == 3
+        and bare_report["config"]["methods"] == "nonshared,prelrshared"
+    )
+    assert main([*bare, "--max-new-tokens", "4"]) == 2  # given: compared with the store, not replaced
+    assert "max_new_tokens 3 there, 4 now" in capsys.readouterr().err
     assert main(["study", "--adapters", str(root), "--report-only", "--out", str(tmp_path / "empty")]) == 2
     assert "nothing stored" in capsys.readouterr().err
     assert main([*report_argv, "--concurrency", "4"]) == 2  # nothing runs: refused, not ignored

@@ -518,6 +518,38 @@ def plan_runs(benchmarks: str, adapter_sets: str) -> tuple[list[tuple], list[str
     return runs, skipped
 
 
+#: the run settings ``--report-only`` takes from a stored point when not given, with their defaults
+RUN_SETTINGS = {"methods": None, "max_steps": 8, "max_new_tokens": 64}
+
+
+def run_settings(args: argparse.Namespace, folder: Path) -> dict:
+    """``methods`` / ``max_steps`` / ``max_new_tokens`` of one benchmark x adapter set: as given on
+    the command line; those not given are, with ``--report-only``, the ones stored in
+    ``folder/scale-1.0/point.json`` (so the report needs no flags repeated), else the defaults
+    (every method, 8 steps, 64 tokens). ``methods`` always has NonShared first.
+
+    Raises:
+        UnknownMethodError: a given method is unknown.
+    """
+    import json
+
+    from precache.methods import METHODS
+
+    stored = {}
+    meta = folder / "scale-1.0" / "point.json"
+    if args.report_only and meta.is_file():
+        stored = json.loads(meta.read_text())
+    chosen = {}
+    for key, default in RUN_SETTINGS.items():
+        value = getattr(args, key)
+        if value is None:
+            value = stored.get(key, default)
+        chosen[key] = value
+    methods = chosen["methods"] or list(METHODS)
+    chosen["methods"] = methods_with_reference(methods if isinstance(methods, str) else ",".join(methods))
+    return chosen
+
+
 def _study(args: argparse.Namespace) -> int:
     import torch
 
@@ -530,7 +562,8 @@ def _study(args: argparse.Namespace) -> int:
         raise StoredResultsError("--report-only runs nothing: --concurrency would have no effect")
     if args.threads:
         torch.set_num_threads(args.threads)
-    methods = methods_with_reference(args.methods)
+    if args.methods is not None:
+        methods_with_reference(args.methods)  # an unknown method is refused before the model loads
     runs, skipped = plan_runs(args.benchmark, args.adapters)
     for note in skipped:
         logger.warning(note)
@@ -541,19 +574,20 @@ def _study(args: argparse.Namespace) -> int:
         adapters = {role: load_adapter(folder, model.config, role) for role, folder in folders.items()}
         questions = bench.load_questions(args.split)[: args.limit]
         folder = out / "questions" / re.sub(r"[^A-Za-z0-9_.-]", "_", f"{bench.name}-{name}")
+        settings = run_settings(args, folder)
         study = run_study(
             model,
             adapters,
             bench,
             questions,
-            methods,
+            settings["methods"],
             args.scales,
             folder,
             args.concurrency,
             args.sweep_limit,
             args.report_only,
-            max_steps=args.max_steps,
-            max_new_tokens=args.max_new_tokens,
+            max_steps=settings["max_steps"],
+            max_new_tokens=settings["max_new_tokens"],
         )
         if study is None:
             results["skipped"].append(f"skipped {bench.name} x {name}: nothing stored under {folder}")
@@ -564,11 +598,16 @@ def _study(args: argparse.Namespace) -> int:
             "benchmark": bench.name,
             "adapters": name,
             "metrics": list(bench.metrics),
+            "settings": {**settings, "methods": ",".join(settings["methods"])},
             **study,
         }
     if not results["runs"]:
         raise StoredResultsError(f"nothing stored under {out / 'questions'} to report on")
     results["config"] = {k: v for k, v in vars(args).items() if k != "func"}
+    for key in RUN_SETTINGS:  # the settings the runs used, where the command left them to the store
+        if results["config"][key] is None:
+            used = {run["settings"][key] for run in results["runs"].values()}
+            results["config"][key] = used.pop() if len(used) == 1 else "per run"
     report.write_json(results, out / "study.json")
     markdown = study_plots.study_markdown(results)
     (out / "study.md").write_text(markdown, encoding="utf-8")
@@ -591,7 +630,12 @@ def add_study(sub: argparse._SubParsersAction) -> None:
         help="comma-separated committed sets (qv, all) or DIRs with DIR/<role>/; a committed set "
         "not trained for a benchmark is skipped with a note",
     )
-    study.add_argument("--methods", default=",".join(METHODS), help="comma-separated sharing methods")
+    study.add_argument(
+        "--methods",
+        default=None,
+        help=f"comma-separated sharing methods (default: all, {','.join(METHODS)}; with --report-only: "
+        "the stored ones)",
+    )
     study.add_argument("--split", choices=("dev", "train", "all"), default="dev")
     study.add_argument("--limit", type=positive_int, default=None, help="first N questions of the split")
     study.add_argument("--concurrency", type=positive_int, default=1, help="episodes run at once, batched")
@@ -609,8 +653,18 @@ def add_study(sub: argparse._SubParsersAction) -> None:
     study.add_argument(
         "--scales", type=scale_list, default=[0.25, 0.5, 1.0, 2.0], help="adapter B scales of the sweep"
     )
-    study.add_argument("--max-steps", type=int, default=8, help="plan steps per episode")
-    study.add_argument("--max-new-tokens", type=int, default=64, help="tokens per agent turn")
+    study.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="plan steps per episode (default 8; --report-only: stored)",
+    )
+    study.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="tokens per agent turn (default 64; --report-only: stored)",
+    )
     study.add_argument("--model", help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
     study.add_argument(
         "--out",
