@@ -190,6 +190,39 @@ def test_target_selection_and_bias_equal_peft(llama, tmp_path, options):
     assert_every_method_matches_peft(model, hf, folder)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_adapter_files_load_as_peft_loads_them(llama, tmp_path, dtype):
+    """An adapter file stored in bf16 / fp16 (as committed sets and many hub adapters are) reads
+    as fp32 holding the stored values, and every method equals PEFT on that same file."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from precache.agents.train import store_adapter_as
+
+    model, hf = llama
+    folder = save_peft_adapter(hf, tmp_path / "a", r=4, lora_alpha=8, target_modules=ALL_PROJ)
+    file = folder / "adapter_model.safetensors"
+    fp32 = load_file(str(file))
+    if dtype is torch.bfloat16:  # what `adapters train --save-dtype bfloat16` writes
+        assert store_adapter_as(folder, "bfloat16") == file
+        with safe_open(str(file), "pt") as stored_file:
+            assert stored_file.metadata() == {"format": "pt"}
+    else:
+        save_file({k: t.to(dtype) for k, t in fp32.items()}, str(file), metadata={"format": "pt"})
+    stored = load_file(str(file))
+    assert stored.keys() == fp32.keys() and all(t.dtype == dtype for t in stored.values())
+    assert all(torch.equal(stored[k], t.to(dtype)) for k, t in fp32.items())
+    with pytest.raises(ValueError, match="unknown adapter dtype 'int8'"):
+        store_adapter_as(folder, "int8")
+    adapter = load_adapter(folder, model.config)
+    (a, b) = adapter.weights[(0, "q_proj")]
+    assert a.dtype == b.dtype == torch.float32
+    assert torch.equal(
+        a.T[:4], stored["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].float()
+    )
+    assert_every_method_matches_peft(model, hf, folder)
+
+
 def test_layers_to_transform_puts_lora_only_on_those_layers(llama, tmp_path):
     model, hf = llama
     folder = save_peft_adapter(

@@ -147,7 +147,8 @@ def test_the_command_profiles_on_scienceqa_text(tokenizer, monkeypatch, tmp_path
     [
         (SCIENCEQA_ROOT / "qv", "scienceqa train[:4], at most 128 tokens each"),
         (ADAPTER_ROOT / "qv", None),  # written before the calibration was recorded: still read
-        (ADAPTER_ROOT / "all", None),
+        (ADAPTER_ROOT / "all", "hotpotqa train[:4], at most 128 tokens each"),
+        (SCIENCEQA_ROOT / "all", "scienceqa train[:4], at most 128 tokens each"),
     ],
 )
 def test_committed_profiles_read(folder, made_with):

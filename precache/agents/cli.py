@@ -64,7 +64,14 @@ def _train(args: argparse.Namespace) -> int:
 
     benchmark = get_benchmark(args.benchmark)
     out = Path(args.out) if args.out else benchmark.adapter_root / args.set
-    train_adapters(out, targets=args.set, steps=args.steps, seed=args.seed, benchmark=benchmark)
+    train_adapters(
+        out,
+        targets=args.set,
+        steps=args.steps,
+        seed=args.seed,
+        benchmark=benchmark,
+        save_dtype=args.save_dtype,
+    )
     return 0
 
 
@@ -263,6 +270,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--set", choices=ADAPTER_SETS, default="qv", help="projections the LoRA targets")
     train.add_argument("--steps", type=int, default=60, help="optimizer steps per role (batch 4)")
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument(
+        "--save-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of the saved adapter files (trained in fp32; the committed `all` sets are bfloat16)",
+    )
     train.add_argument("--out", help="output folder (default: the committed set's folder in the package)")
     train.set_defaults(func=_train)
     check = adapters_sub.add_parser("check", help="form check of each role with and without its adapter")

@@ -48,6 +48,34 @@ class TrainConfig:
     warmup_steps: int = 5
     seed: int = 0
     max_tokens: int = 512
+    #: dtype the adapter file stores (trained in fp32): ``float32`` or ``bfloat16`` (half the bytes)
+    save_dtype: str = "float32"
+
+
+#: the dtypes an adapter set may be stored in
+SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def store_adapter_as(folder: str | Path, dtype: str) -> Path:
+    """Rewrite ``folder/adapter_model.safetensors`` with every floating tensor in ``dtype`` (one of
+    :data:`SAVE_DTYPES`), keeping names and metadata; returns the file. PEFT and
+    :func:`precache.load_adapter` read a bf16 file back as fp32 holding the rounded values.
+
+    Raises:
+        ValueError: ``dtype`` is not one of :data:`SAVE_DTYPES`.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"unknown adapter dtype {dtype!r} (choose from {', '.join(SAVE_DTYPES)})")
+    file = Path(folder) / "adapter_model.safetensors"
+    with safe_open(str(file), "pt") as stored:
+        metadata = stored.metadata()
+        tensors = {k: stored.get_tensor(k) for k in stored.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    cast = {k: t.to(SAVE_DTYPES[dtype]) if t.is_floating_point() else t for k, t in tensors.items()}
+    save_file(cast, str(file), metadata=metadata)
+    return file
 
 
 def tokenize_pieces(tokenizer, pieces: list[prompt.Piece], role: str) -> tuple[list[int], list[int]]:
@@ -160,6 +188,8 @@ def train_role(
     model.peft_config["default"].base_model_name_or_path = BASE_MODEL_ID
     model.save_pretrained(out_dir, save_embedding_layers=False)
     (out_dir / "README.md").unlink(missing_ok=True)  # PEFT's empty model-card template
+    if config.save_dtype != "float32":
+        store_adapter_as(out_dir, config.save_dtype)
     return losses
 
 
@@ -170,21 +200,26 @@ def train_adapters(
     seed: int = 0,
     roles: tuple[str, ...] = prompt.ROLES,
     benchmark: Benchmark = HOTPOTQA,
+    save_dtype: str = "float32",
 ) -> Path:
     """Train the plan / action / reflect adapters of one set into ``out_dir/<role>/`` on the
     gold trajectories of ``benchmark``'s train split.
 
     ``targets``: ``"qv"`` (q_proj, v_proj) or ``"all"`` (the seven projections); rank 8,
-    alpha 16. Writes ``out_dir/TRAINING.json`` (config, seconds and loss curve per role).
+    alpha 16. Trained in fp32, stored in ``save_dtype`` (:data:`SAVE_DTYPES`; the committed
+    ``all`` sets are bf16, to keep the checkout small). Writes ``out_dir/TRAINING.json`` (config,
+    seconds and loss curve per role).
 
     Raises:
-        ValueError: unknown ``targets``.
+        ValueError: unknown ``targets`` or ``save_dtype``.
     """
     from precache.models.loader import embedded_checkpoint
 
     if targets not in TARGET_SETS:
         raise ValueError(f"unknown adapter set {targets!r} (choose from {', '.join(TARGET_SETS)})")
-    config = TrainConfig(targets=targets, steps=steps, seed=seed)
+    if save_dtype not in SAVE_DTYPES:
+        raise ValueError(f"unknown adapter dtype {save_dtype!r} (choose from {', '.join(SAVE_DTYPES)})")
+    config = TrainConfig(targets=targets, steps=steps, seed=seed, save_dtype=save_dtype)
     out = Path(out_dir)
     base_path = embedded_checkpoint()
     report: dict = {"config": asdict(config), "base_model": BASE_MODEL_ID, "roles": {}}

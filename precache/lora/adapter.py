@@ -105,9 +105,12 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     if not file.is_file():
         raise AdapterError(f"{file} is missing (only safetensors adapters are supported)")
     try:
-        return load_file(str(file))
+        tensors = load_file(str(file))
     except (SafetensorError, OSError, RuntimeError) as exc:
         raise AdapterError(f"{file} is not a readable safetensors file: {exc}") from exc
+    # half-precision weights are read as fp32, as PEFT's autocast_adapter_dtype does; the engine
+    # then casts every adapter to the model's dtype
+    return {k: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for k, t in tensors.items()}
 
 
 def _check_base_model(cfg: dict, folder: Path, model_config: ModelConfig) -> None:
@@ -199,6 +202,9 @@ def _check_targets(pairs: dict, targeted: set[tuple[int, str]], file: Path) -> N
 
 def load_adapter(path: str | Path, model_config: ModelConfig, name: str | None = None) -> LoRAAdapter:
     """Load a PEFT LoRA adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+    Weights stored in fp16 or bf16 are returned in fp32 (PEFT's ``autocast_adapter_dtype``);
+    :class:`~precache.engine.Engine` casts each adapter to the model's dtype.
 
     Raises:
         AdapterError: missing or malformed file, an option we do not honour (DoRA, lora_bias on

@@ -324,7 +324,7 @@ def _profile_command(args) -> int:
         calibration=calibration(model.tokenizer, args.benchmark),
         calibration_name=calibration_name(args.benchmark),
     )
-    logger.warning("wrote %s: critical layers %s", path, json.loads(path.read_text())["layers"])
+    logger.info("wrote %s: critical layers %s", path, json.loads(path.read_text())["layers"])
     return 0
 
 
