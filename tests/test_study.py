@@ -273,6 +273,33 @@ def test_study_resumes_from_stored_questions(smollm_vocab, monkeypatch, tmp_path
     assert "StoredResultsError" in err and "max_new_tokens 3 there, 4 now" in err
 
 
+def test_a_point_run_with_other_adapter_weights_is_refused(smollm_vocab, monkeypatch, tmp_path, capsys):
+    """The same adapter folder with its weights changed (here: stored in bf16) no longer matches
+    the stored point, and the error names the adapters."""
+    import shutil
+
+    from precache.agents.train import store_adapter_as
+    from precache.bench.study import adapters_fingerprint, scaled_adapter
+    from precache.lora.adapter import load_adapter
+
+    model, root = smollm_vocab
+    monkeypatch.setattr(precache, "load_model", lambda *a, **k: model)
+    folder = shutil.copytree(root, tmp_path / "adapters")
+    argv = ["study", "--adapters", str(folder), "--limit", "1", "--methods", "nonshared", "--scales", "1"]
+    argv += ["--max-steps", "1", "--max-new-tokens", "2", "--out", str(tmp_path / "out")]
+    loaded = {role: load_adapter(folder / role, model.config, role) for role in prompt.ROLES}
+    same = {role: load_adapter(folder / role, model.config, role) for role in prompt.ROLES}
+    assert adapters_fingerprint(loaded) == adapters_fingerprint(same)
+    assert adapters_fingerprint(loaded) != adapters_fingerprint(
+        {**loaded, "plan": scaled_adapter(loaded["plan"], 0.5)}
+    )
+    assert main(argv) == 0
+    store_adapter_as(folder / "plan", "bfloat16")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "StoredResultsError" in err and "adapters '" in err and "same adapter weights" in err
+
+
 def test_figure2_means_cover_hand_overs_only():
     from precache.bench.study_figure2 import summarize_transitions
 

@@ -49,6 +49,26 @@ def scaled_adapter(adapter, factor: float):
     return dataclasses.replace(adapter, weights=weights, biases=biases)
 
 
+def adapters_fingerprint(adapters: dict) -> str:
+    """The first 16 hex digits of a sha256 over every role's LoRA weights as loaded (role names,
+    scaling, each module's A, B and bias in fp32): a stored point run with other adapter weights
+    (retrained, or stored in another dtype) does not match, whatever the folder is called."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for role in sorted(adapters):
+        adapter = adapters[role]
+        digest.update(f"{role}:{adapter.scaling!r}".encode())
+        for key in sorted(adapter.weights):
+            tensors = [*adapter.weights[key], *([adapter.biases[key]] if key in adapter.biases else [])]
+            digest.update(repr(key).encode())
+            for t in tensors:
+                digest.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def matching_turns(turns: list, reference: list) -> int:
     """How many turns of an episode equal the reference's (same agent, same appended ids, same
     generated ids), counted in order while every earlier turn matched: once the free-running
@@ -271,7 +291,8 @@ class PointStore:
                 )
                 raise StoredResultsError(
                     f"{self.folder} holds questions run with other settings ({differ}): pass the settings "
-                    "they were run with (--methods, --max-steps, --max-new-tokens, --model), or use another --out"
+                    "they were run with (--methods, --max-steps, --max-new-tokens, --model, the same adapter "
+                    "weights), or use another --out"
                 )
         else:
             meta.write_text(json.dumps(settings, indent=1) + "\n")
@@ -415,7 +436,13 @@ def run_study(
 
         return make
 
-    settings = {"benchmark": benchmark.name, "model": str(getattr(model, "path", None)), **episode_kwargs}
+    settings = {
+        "benchmark": benchmark.name,
+        # the checkpoint folder's name (the embedded model's is its content hash), not where it lies
+        "model": Path(str(model.path)).name if getattr(model, "path", None) else None,
+        "adapters": adapters_fingerprint(adapters),
+        **episode_kwargs,
+    }
     folder = Path(folder)
     sweep_methods = [m for m in methods if m in SWEEP_METHODS]
 
