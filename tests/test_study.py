@@ -300,6 +300,45 @@ def test_a_point_run_with_other_adapter_weights_is_refused(smollm_vocab, monkeyp
     assert "StoredResultsError" in err and "adapters '" in err and "same adapter weights" in err
 
 
+def test_shards_fill_one_study_between_them(smollm_vocab, monkeypatch, tmp_path, capsys):
+    """--shard 1/2 and 2/2 store the questions a single run stores (every other one each, at every
+    scale) and write no report; --report-only over them equals the single run's tables."""
+    model, root = smollm_vocab
+    monkeypatch.setattr(precache, "load_model", lambda *a, **k: model)
+    argv = ["study", "--adapters", str(root), "--limit", "3", "--methods", "nonshared,prelrshared"]
+    argv += ["--scales", "1,0.5", "--sweep-limit", "2", "--max-steps", "1", "--max-new-tokens", "3"]
+    assert main([*argv, "--out", str(tmp_path / "one")]) == 0
+    single = json.loads((tmp_path / "one" / "study.json").read_text(encoding="utf-8"))["runs"]
+    sharded = tmp_path / "two"
+    assert main([*argv, "--shard", "1/2", "--out", str(sharded)]) == 0
+    assert not (sharded / "study.json").exists()
+    stored = {
+        p.parent.name: sorted(x.name for x in p.parent.glob("*.json.gz")) for p in sharded.rglob("point.json")
+    }
+    ids = [q.id for q in load_questions("dev")[:3]]
+    assert sorted(stored) == ["scale-0.5", "scale-1.0"]
+    assert stored["scale-1.0"] == sorted([f"{ids[0]}.json.gz", f"{ids[2]}.json.gz"])
+    assert stored["scale-0.5"] == [f"{ids[0]}.json.gz"]
+    assert main([*argv, "--shard", "2/2", "--out", str(sharded)]) == 0
+    assert main([*argv, "--report-only", "--out", str(sharded)]) == 0
+    both = json.loads((sharded / "study.json").read_text(encoding="utf-8"))["runs"]
+    key = f"hotpotqa/{root}"
+    for method, row in single[key]["table"].items():
+        timed = {"sum_ttft_s"}
+        assert {k: v for k, v in both[key]["table"][method].items() if k not in timed} == {
+            k: v for k, v in row.items() if k not in timed
+        }, method
+    assert (
+        both[key]["sweep"]["0.5"]["methods"]["prelrshared"]["agreement"]
+        == (single[key]["sweep"]["0.5"]["methods"]["prelrshared"]["agreement"])
+    )
+    assert main([*argv, "--report-only", "--shard", "1/2", "--out", str(sharded)]) == 2
+    assert "--shard would have no effect" in capsys.readouterr().err
+    for bad in ("3/2", "0/2", "1-2"):
+        with pytest.raises(SystemExit):
+            main([*argv, "--shard", bad, "--out", str(sharded)])
+
+
 def test_figure2_means_cover_hand_overs_only():
     from precache.bench.study_figure2 import summarize_transitions
 

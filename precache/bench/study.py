@@ -332,12 +332,21 @@ def run_point(
     concurrency: int = 1,
     model=None,
     adapters=None,
+    shard: tuple[int, int] | None = None,
     **episode_kwargs,
 ) -> list[dict]:
     """:func:`run_questions` on the questions ``store`` lacks, ``concurrency`` at a time, each
     group stored as soon as it is done; returns every question's entry, in order. The engines are
-    built (``make_engines()``) only when something is left to run."""
+    built (``make_engines()``) only when something is left to run.
+
+    ``shard = (i, n)`` runs only the lacking questions at positions ``p`` of ``questions`` with
+    ``p % n == i - 1`` (n processes fill one point between them) and returns ``[]``: the other
+    shards' questions may not be stored yet."""
     missing = store.missing(questions)
+    if shard is not None:
+        i, n = shard
+        position = {q.id: p for p, q in enumerate(questions)}
+        missing = [q for q in missing if position[q.id] % n == i - 1]
     if missing:
         engines = make_engines()
         logger.info("%s: %d of %d questions to run", store.folder, len(missing), len(questions))
@@ -353,7 +362,7 @@ def run_point(
                 len(questions) - len(store.missing(questions)),
                 len(questions),
             )
-    return store.load(questions)
+    return [] if shard is not None else store.load(questions)
 
 
 def paired(entries: list[dict], method: str, other: str, benchmark) -> dict:
@@ -407,6 +416,7 @@ def run_study(
     concurrency: int = 1,
     sweep_limit: int | None = None,
     report_only: bool = False,
+    shard: tuple[int, int] | None = None,
     **episode_kwargs,
 ) -> dict | None:
     """The study of one benchmark x adapter set (``adapters``: loaded ``LoRAAdapter`` by role),
@@ -419,7 +429,9 @@ def run_study(
     "sweep": {scale: {"methods": {method: row}, "rebase_beats": {measure: bool}, "paired"}}}``
     (``paired``: ReBaseShared-LP against PreLRShared question by question, :func:`paired`).
 
-    With ``report_only`` nothing runs: the table covers the questions of ``questions`` stored at
+    With ``shard = (i, n)`` only this process's share of every point runs (:func:`run_point`)
+    and the result is ``{"shard": [i, n]}``: the report comes from ``report_only`` once every
+    shard is stored. With ``report_only`` nothing runs: the table covers the questions of ``questions`` stored at
     scale 1, the sweep the first ``sweep_limit`` of them stored at every stored scale (a scale with
     nothing stored is left out); None when nothing is stored for this benchmark x adapter set.
 
@@ -455,6 +467,30 @@ def run_study(
     main_store = store_at(1.0, methods)
     if main_store is None:
         return None
+    if shard is not None:
+        run_point(
+            main_store,
+            engines_at(1.0, methods),
+            questions,
+            benchmark,
+            concurrency,
+            model=model,
+            adapters=adapters,
+            shard=shard,
+            **episode_kwargs,
+        )
+        for scale in scales:
+            if scale != 1.0:
+                run_point(
+                    store_at(scale, sweep_methods),
+                    engines_at(scale, sweep_methods),
+                    questions[:sweep_limit],
+                    benchmark,
+                    concurrency,
+                    shard=shard,
+                    **episode_kwargs,
+                )
+        return {"shard": list(shard)}
     if report_only:
         questions = main_store.stored(questions)
     main = run_point(
@@ -516,6 +552,17 @@ def scale_list(text: str) -> list[float]:
     if not scales or bad:
         raise argparse.ArgumentTypeError(f"scales must be finite numbers >= 0, got {text!r}")
     return scales
+
+
+def shard_spec(text: str) -> tuple[int, int]:
+    """An argparse ``type``: ``I/N`` with 1 <= I <= N, as ``(I, N)``."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard takes I/N (e.g. 1/2), got {text!r}") from None
+    if not 1 <= i <= n:
+        raise argparse.ArgumentTypeError(f"--shard I/N needs 1 <= I <= N, got {text!r}")
+    return i, n
 
 
 def plan_runs(benchmarks: str, adapter_sets: str) -> tuple[list[tuple], list[str]]:
@@ -587,6 +634,8 @@ def _study(args: argparse.Namespace) -> int:
 
     if args.report_only and args.concurrency != 1:
         raise StoredResultsError("--report-only runs nothing: --concurrency would have no effect")
+    if args.report_only and args.shard is not None:
+        raise StoredResultsError("--report-only runs nothing: --shard would have no effect")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.methods is not None:
@@ -613,9 +662,12 @@ def _study(args: argparse.Namespace) -> int:
             args.concurrency,
             args.sweep_limit,
             args.report_only,
+            shard=args.shard,
             max_steps=settings["max_steps"],
             max_new_tokens=settings["max_new_tokens"],
         )
+        if args.shard is not None:
+            continue
         if study is None:
             results["skipped"].append(f"skipped {bench.name} x {name}: nothing stored under {folder}")
             logger.warning(results["skipped"][-1])
@@ -628,6 +680,16 @@ def _study(args: argparse.Namespace) -> int:
             "settings": {**settings, "methods": ",".join(settings["methods"])},
             **study,
         }
+    if args.shard is not None:
+        i, n = args.shard
+        logger.info(
+            "shard %d/%d stored under %s; once all %d shards are done, `--report-only` writes the report",
+            i,
+            n,
+            out / "questions",
+            n,
+        )
+        return 0
     if not results["runs"]:
         raise StoredResultsError(f"nothing stored under {out / 'questions'} to report on")
     results["config"] = {k: v for k, v in vars(args).items() if k != "func"}
@@ -670,6 +732,13 @@ def add_study(sub: argparse._SubParsersAction) -> None:
         "--report-only",
         action="store_true",
         help="run nothing: rebuild study.json, study.md and the PNGs from the questions stored under --out",
+    )
+    study.add_argument(
+        "--shard",
+        type=shard_spec,
+        default=None,
+        help="I/N: run only every N-th question from the I-th (N processes fill one --out between "
+        "them; then --report-only writes the report)",
     )
     study.add_argument(
         "--sweep-limit",
