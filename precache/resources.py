@@ -36,7 +36,11 @@ def adapter_set(name_or_dir: str | os.PathLike, agents: Iterable[str] | None = N
     spec = str(name_or_dir)
     committed = spec in ADAPTER_SETS
     folder = ADAPTER_ROOT / spec if committed else Path(spec).expanduser()
-    hint = f" (train it with `precache adapters train --set {spec}`)" if committed else ""
+    hint = (
+        f" (train it with `precache adapters train --set {spec}`)"
+        if committed
+        else f" (not a committed set either: those are {', '.join(ADAPTER_SETS)})"
+    )
     found = {}
     if folder.is_dir():
         found = {p.name: p for p in sorted(folder.iterdir()) if (p / "adapter_config.json").is_file()}

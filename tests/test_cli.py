@@ -59,6 +59,10 @@ def _one_line_error(capsys, expected: str) -> str:
         (["run", "--question", QID, "--adapters", "qvv"], "AdapterError: no PEFT adapter folders"),
         (["eval", "--json", "x.json", "--adapters", "nowhere/"], "no PEFT adapter folders"),
         (["fidelity", "--json", "x.json", "--adapters", "qvv"], "no PEFT adapter folders"),
+        (
+            ["fidelity", "--json", "x.json", "--benchmark", "bogus"],
+            "UnknownBenchmarkError: unknown benchmark 'bogus'",
+        ),
         (["bench", "trace", "--trace", "paper_L9", "--json", "x.json"], "TraceError: no trace file paper_L9"),
         (["eval", "--json", "x.json", "--data", "missing.jsonl"], "DatasetError: no question file "),
         (["run", "--question", "nope"], "no HotpotQA question with id 'nope'"),

@@ -264,6 +264,13 @@ def test_study_resumes_from_stored_questions(smollm_vocab, monkeypatch, tmp_path
     assert "max_new_tokens 3 there, 4 now" in capsys.readouterr().err
     assert main(["study", "--adapters", str(root), "--report-only", "--out", str(tmp_path / "empty")]) == 2
     assert "nothing stored" in capsys.readouterr().err
+    # a study stopped during its first group leaves point.json without questions: nothing to report
+    point = next((tmp_path / "questions").glob("*/scale-1.0/point.json"))
+    stopped = tmp_path / "stopped" / point.relative_to(tmp_path)
+    stopped.parent.mkdir(parents=True)
+    stopped.write_text(point.read_text())
+    assert main(["study", "--adapters", str(root), "--report-only", "--out", str(tmp_path / "stopped")]) == 2
+    assert "nothing stored" in capsys.readouterr().err
     assert main([*report_argv, "--concurrency", "4"]) == 2  # nothing runs: refused, not ignored
     assert "--concurrency would have no effect" in capsys.readouterr().err
 

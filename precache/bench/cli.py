@@ -140,7 +140,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     trace.set_defaults(func=_bench_trace)
 
     fidelity = sub.add_parser("fidelity", help="KL, top-1, base-cache error and answers vs NonShared")
-    fidelity.add_argument("--benchmark", choices=("hotpotqa", "scienceqa"), default="hotpotqa")
+    fidelity.add_argument("--benchmark", default="hotpotqa", help="hotpotqa | scienceqa")
     fidelity.add_argument("--split", choices=("dev", "train", "all"), default="dev")
     fidelity.add_argument("--limit", type=positive_int, default=None, help="first N questions of the split")
     fidelity.add_argument("--max-steps", type=int, default=8, help="plan steps per episode")

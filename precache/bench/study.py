@@ -397,6 +397,8 @@ def _rebase_beats(point: dict, metric: str) -> dict:
     pre, rebase = point.get("prelrshared"), point.get("rebaseshared-lp")
     if pre is None or rebase is None:
         return {}
+    if any(row[m] is None for row in (pre, rebase) for m in ("first_kl", "mean_kl", "agreement", metric)):
+        return {}  # no question
     return {
         "first_kl": rebase["first_kl"] < pre["first_kl"],
         "mean_kl": rebase["mean_kl"] < pre["mean_kl"],
@@ -493,6 +495,8 @@ def run_study(
         return {"shard": list(shard)}
     if report_only:
         questions = main_store.stored(questions)
+        if not questions:  # a study stopped during its first group leaves point.json alone
+            return None
     main = run_point(
         main_store,
         engines_at(1.0, methods),
@@ -693,6 +697,11 @@ def _study(args: argparse.Namespace) -> int:
     if not results["runs"]:
         raise StoredResultsError(f"nothing stored under {out / 'questions'} to report on")
     results["config"] = {k: v for k, v in vars(args).items() if k != "func"}
+    if args.report_only:  # what the report covers, not the defaults of flags that ran nothing
+        results["config"]["scales"] = sorted(
+            {float(x) for run in results["runs"].values() for x in run["sweep"]}
+        )
+        del results["config"]["concurrency"]
     for key in RUN_SETTINGS:  # the settings the runs used, where the command left them to the store
         if results["config"][key] is None:
             used = {run["settings"][key] for run in results["runs"].values()}

@@ -30,6 +30,10 @@ selective-recompute methods, whose view lives only during the turn); `sum_ttft_s
 over every turn of the free-running episodes; `prefill_tokens`: summed likewise."""
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def study_markdown(results: dict) -> str:
     """A title with the run's settings and a legend; per run (benchmark / adapter set): the table,
     the teacher-forced measures per reading agent, Figure 2's means over layers, the sweep."""
@@ -37,7 +41,7 @@ def study_markdown(results: dict) -> str:
     settings = ", ".join(
         f"{key} {config[key]}"
         for key in ("split", "limit", "sweep_limit", "max_steps", "max_new_tokens", "scales", "concurrency")
-        if key in config and not (key == "concurrency" and config.get("report_only"))
+        if config.get(key) is not None and not (key == "concurrency" and config.get("report_only"))
     )
     lines = ["# precache study", "", f"Settings: {settings}." if settings else "", "", LEGEND, ""]
     for note in results.get("skipped", []):
@@ -46,7 +50,11 @@ def study_markdown(results: dict) -> str:
         metrics = run["metrics"]
         cols = [*metrics, *(f"{m}_drop" for m in metrics), "agreement", "turn_match"]
         cols += ["first_kl", "mean_kl", "k_error_own", "k_error_other", "sum_ttft_s", "prefill_tokens"]
-        lines += [f"## {key} ({run['questions']} questions)", "", "| method | " + " | ".join(cols) + " |"]
+        lines += [
+            f"## {key} ({_count(run['questions'], 'question')})",
+            "",
+            "| method | " + " | ".join(cols) + " |",
+        ]
         lines.append("|---" * (len(cols) + 1) + "|")
         for method, row in run["table"].items():
             lines.append(f"| {method} | " + " | ".join(_fmt(row[c]) for c in cols) + " |")
@@ -64,7 +72,8 @@ def study_markdown(results: dict) -> str:
                 lines.append(f"| {method} | {agent} | " + " | ".join(_fmt(c) for c in cells) + " |")
         lines += [
             "",
-            "Where the free-running episodes part from NonShared's (the agent of the first turn that differs: questions):",
+            "Where the free-running episodes part from NonShared's (the agent of the first turn that differs, "
+            "or `none` when every turn is NonShared's: questions):",
             "",
         ]
         for method, row in run["table"].items():
@@ -98,7 +107,7 @@ def study_markdown(results: dict) -> str:
             lines.append(f"- layers where the neutral base is closer: {figure2['neutral_closer_layers']}")
         lines += [
             "",
-            f"Adapter-strength sweep ({run.get('sweep_questions', run['questions'])} questions; every B scaled):",
+            f"Adapter-strength sweep ({_count(run.get('sweep_questions', run['questions']), 'question')}; every B scaled):",
             "",
             "| scale | method | first_kl | mean_kl | agreement | turn_match | " + metrics[0] + " |",
             "|---|---|---|---|---|---|---|",
@@ -137,8 +146,16 @@ def plot_study(results: dict, folder: str | os.PathLike) -> list[Path]:
         ax_agree.set(ylabel="answer agreement with NonShared", ylim=(0, 1.05), title=key)
         x = range(len(methods))
         for offset, part in ((-0.2, "own"), (0.2, "other")):
-            values = [run["table"][m].get(f"k_error_{part}") or 0.0 for m in methods]
-            ax_err.bar([i + offset for i in x], values, width=0.4, label=f"{part} agents' segments")
+            values = [run["table"][m].get(f"k_error_{part}") for m in methods]
+            ax_err.bar(
+                [i + offset for i in x],
+                [v or 0.0 for v in values],
+                width=0.4,
+                label=f"{part} agents' segments",
+            )
+            for i, v in enumerate(values):
+                if v is None:  # the selective methods: no cache outlives the turn
+                    ax_err.text(i + offset, 0, "n/a", ha="center", va="bottom", fontsize=7, rotation=90)
         ax_err.set_xticks(list(x), methods)
         ax_err.set(ylabel="relative K error of the view vs NonShared", title="teacher-forced cache error")
         ax_err.legend(fontsize=8)
@@ -174,14 +191,16 @@ def plot_study(results: dict, folder: str | os.PathLike) -> list[Path]:
         paths.append(save_figure(fig, folder / f"{stem}_agents.png"))
         mean = run["figure2"]["mean"]
         fig, (ax_k, ax_h) = plt.subplots(1, 2, figsize=(12, 4.5))
+        styles = {"fullshared": ("--", "s"), "prelrshared": ("-", "o"), "rebaseshared": ("-", "^")}
         for method, values in mean.get("k_base_error", {}).items():
-            ax_k.plot(values, marker="o", markersize=3, label=method)
+            line, marker = styles.get(method, ("-", "o"))
+            ax_k.plot(values, linestyle=line, marker=marker, markersize=3, label=method)
         for source, values in mean.get("hidden_error", {}).items():
             ax_h.plot(values, marker="o", markersize=3, label=HIDDEN_LABELS.get(source, source))
         ax_k.set(
             xlabel="layer",
             ylabel="relative K base error",
-            title=f"{key}: shared base cache vs own (Figure 2)",
+            title=f"{key}: shared base cache vs own (Figure 2)\n(fullshared = prelrshared where k_proj has no adapter)",
         )
         ax_h.set(
             xlabel="layer", ylabel="relative hidden-state error", title=f"{key}: neutral vs previous agent"
@@ -193,11 +212,25 @@ def plot_study(results: dict, folder: str | os.PathLike) -> list[Path]:
         paths.append(save_figure(fig, folder / f"{stem}_layers.png"))
         fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
         scales = list(run["sweep"])
-        for method in ("prelrshared", "rebaseshared-lp"):
+        sweep_styles = {
+            "nonshared": ("gray", ":", "x"),
+            "prelrshared": ("C0", "-", "o"),
+            "rebaseshared-lp": ("C1", "--", "^"),
+        }
+        for method, (color, line, marker) in sweep_styles.items():
             for ax, measure in zip(axes, ("first_kl", "mean_kl", "agreement", metric), strict=True):
+                if method == "nonshared" and measure != metric:
+                    continue  # the reference: KL 0 and agreement 1 by definition
                 values = [run["sweep"][s]["methods"].get(method, {}).get(measure) for s in scales]
                 if all(v is not None for v in values):
-                    ax.plot([float(s) for s in scales], values, marker="o", label=method)
+                    ax.plot(
+                        [float(s) for s in scales],
+                        values,
+                        color=color,
+                        linestyle=line,
+                        marker=marker,
+                        label=method,
+                    )
                 ax.set(xlabel="adapter scale", ylabel=measure, title=f"{key}: {measure}")
         for ax in axes:
             ax.grid(alpha=0.3)
