@@ -142,6 +142,7 @@ def plot_study(results: dict, folder: str | os.PathLike) -> list[Path]:
         fig, (ax_drop, ax_agree, ax_err) = plt.subplots(1, 3, figsize=(18, 4.5))
         ax_drop.bar(methods, [run["table"][m][f"{metric}_drop"] for m in methods])
         ax_agree.bar(methods, [run["table"][m]["agreement"] for m in methods])
+        ax_drop.axhline(0, color="black", linewidth=0.8)  # a zero drop is a line, not an empty panel
         ax_drop.set(ylabel=f"{metric} drop vs NonShared", title=key)
         ax_agree.set(ylabel="answer agreement with NonShared", ylim=(0, 1.05), title=key)
         x = range(len(methods))
