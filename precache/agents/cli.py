@@ -268,15 +268,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     train = adapters_sub.add_parser("train", help="train one adapter set on gold trajectories of a benchmark")
     _benchmark_option(train)
     train.add_argument("--set", choices=ADAPTER_SETS, default="qv", help="projections the LoRA targets")
-    train.add_argument("--steps", type=int, default=60, help="optimizer steps per role (batch 4)")
+    train.add_argument("--steps", type=int, default=60, help="optimizer steps per role (batch 4; default 60)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument(
         "--save-dtype",
         choices=("float32", "bfloat16"),
         default="float32",
-        help="dtype of the saved adapter files (trained in fp32; the committed `all` sets are bfloat16)",
+        help="dtype of the saved adapter files (default float32; trained in fp32; the committed `all` "
+        "sets are bfloat16)",
     )
-    train.add_argument("--out", help="output folder (default: the committed set's folder in the package)")
+    train.add_argument(
+        "--out",
+        help="output folder (default: the committed set's folder in the package, whose files it replaces)",
+    )
     train.set_defaults(func=_train)
     check = adapters_sub.add_parser("check", help="form check of each role with and without its adapter")
     check.add_argument("--set", nargs="+", choices=ADAPTER_SETS, default=["qv"], help="one or both sets")
