@@ -469,30 +469,6 @@ def run_study(
     main_store = store_at(1.0, methods)
     if main_store is None:
         return None
-    if shard is not None:
-        run_point(
-            main_store,
-            engines_at(1.0, methods),
-            questions,
-            benchmark,
-            concurrency,
-            model=model,
-            adapters=adapters,
-            shard=shard,
-            **episode_kwargs,
-        )
-        for scale in scales:
-            if scale != 1.0:
-                run_point(
-                    store_at(scale, sweep_methods),
-                    engines_at(scale, sweep_methods),
-                    questions[:sweep_limit],
-                    benchmark,
-                    concurrency,
-                    shard=shard,
-                    **episode_kwargs,
-                )
-        return {"shard": list(shard)}
     if report_only:
         questions = main_store.stored(questions)
         if not questions:  # a study stopped during its first group leaves point.json alone
@@ -505,8 +481,22 @@ def run_study(
         concurrency,
         model=model,
         adapters=adapters,
+        shard=shard,
         **episode_kwargs,
     )
+    if shard is not None:  # this process's share of the sweep; the report waits for --report-only
+        for scale in scales:
+            if scale != 1.0:
+                run_point(
+                    store_at(scale, sweep_methods),
+                    engines_at(scale, sweep_methods),
+                    questions[:sweep_limit],
+                    benchmark,
+                    concurrency,
+                    shard=shard,
+                    **episode_kwargs,
+                )
+        return {"shard": list(shard)}
     sweep_questions = questions[:sweep_limit]
     stores = {scale: store_at(scale, sweep_methods) for scale in scales if scale != 1.0}
     stores = {scale: store for scale, store in stores.items() if store is not None}
