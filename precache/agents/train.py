@@ -56,6 +56,13 @@ class TrainConfig:
 SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def save_dtype_of(name: str) -> torch.dtype:
+    """The torch dtype of a :data:`SAVE_DTYPES` name. Raises ValueError naming the known ones."""
+    if name not in SAVE_DTYPES:
+        raise ValueError(f"unknown adapter dtype {name!r} (choose from {', '.join(SAVE_DTYPES)})")
+    return SAVE_DTYPES[name]
+
+
 def store_adapter_as(folder: str | Path, dtype: str) -> Path:
     """Rewrite ``folder/adapter_model.safetensors`` with every floating tensor in ``dtype`` (one of
     :data:`SAVE_DTYPES`), keeping names and metadata; returns the file. PEFT and
@@ -67,13 +74,12 @@ def store_adapter_as(folder: str | Path, dtype: str) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    if dtype not in SAVE_DTYPES:
-        raise ValueError(f"unknown adapter dtype {dtype!r} (choose from {', '.join(SAVE_DTYPES)})")
+    torch_dtype = save_dtype_of(dtype)
     file = Path(folder) / "adapter_model.safetensors"
     with safe_open(str(file), "pt") as stored:
         metadata = stored.metadata()
         tensors = {k: stored.get_tensor(k) for k in stored.keys()}  # noqa: SIM118 (safe_open has no __iter__)
-    cast = {k: t.to(SAVE_DTYPES[dtype]) if t.is_floating_point() else t for k, t in tensors.items()}
+    cast = {k: t.to(torch_dtype) if t.is_floating_point() else t for k, t in tensors.items()}
     save_file(cast, str(file), metadata=metadata)
     return file
 
@@ -217,8 +223,7 @@ def train_adapters(
 
     if targets not in TARGET_SETS:
         raise ValueError(f"unknown adapter set {targets!r} (choose from {', '.join(TARGET_SETS)})")
-    if save_dtype not in SAVE_DTYPES:
-        raise ValueError(f"unknown adapter dtype {save_dtype!r} (choose from {', '.join(SAVE_DTYPES)})")
+    save_dtype_of(save_dtype)  # refused before any training
     config = TrainConfig(targets=targets, steps=steps, seed=seed, save_dtype=save_dtype)
     out = Path(out_dir)
     base_path = embedded_checkpoint()
