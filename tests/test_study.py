@@ -15,8 +15,10 @@ from peft import PeftModel
 import precache
 from precache.agents import prompt
 from precache.agents.data import load_questions
-from precache.bench.study import ROLES, matching_turns, plan_runs, scaled_adapter
+from precache.bench.study import ROLES, plan_runs
 from precache.bench.study_figure2 import transition_errors
+from precache.bench.study_run import scaled_adapter
+from precache.bench.study_stats import matching_turns
 from precache.cli import main
 from precache.engine import Turn
 from precache.errors import AdapterError
@@ -286,7 +288,7 @@ def test_a_point_run_with_other_adapter_weights_is_refused(smollm_vocab, monkeyp
     import shutil
 
     from precache.agents.train import store_adapter_as
-    from precache.bench.study import adapters_fingerprint, scaled_adapter
+    from precache.bench.study_store import adapters_fingerprint
     from precache.lora.adapter import load_adapter
 
     model, root = smollm_vocab
@@ -376,7 +378,7 @@ def test_figure2_means_cover_hand_overs_only():
 
 
 def test_sign_test_matches_the_binomial_tail():
-    from precache.bench.study import sign_test
+    from precache.bench.study_stats import sign_test
 
     assert sign_test(0, 0) == 1.0 and sign_test(3, 3) == 1.0
     assert sign_test(5, 0) == pytest.approx(2 / 32)  # 2 * P[X <= 0], X ~ Bin(5, 1/2)
@@ -388,7 +390,7 @@ def test_sign_test_matches_the_binomial_tail():
 
 def test_paired_counts_questions_where_one_method_scores_higher():
     from precache.agents.benchmark import SCIENCEQA
-    from precache.bench.study import paired
+    from precache.bench.study_stats import paired
 
     def q(a_agrees, a_acc, b_agrees, b_acc):
         return {
