@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from precache.cache.attention import BatchMetadata, RowAttention, get_backend
-from precache.cache.plan import View, view_reads
 from precache.cache.pool import KVPool, LRView, PagedStore
+from precache.cache.rowplan import View
+from precache.cache.views import view_reads
 from precache.lora.adapter import LoRAAdapter
 from tests.tiny import tiny_model
 

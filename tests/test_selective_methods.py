@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from precache.cache.plan import Recompute
+from precache.cache.rowplan import Recompute
 from precache.engine.scheduler import Scheduler, SchedulerConfig
 from precache.methods import SELECTIVE_METHODS, make_method
 from precache.methods.cacheblend import CacheBlend

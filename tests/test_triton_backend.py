@@ -24,8 +24,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from precache.cache.attention import BatchMetadata, RowAttention, TritonBackend, get_backend
-from precache.cache.plan import View, view_reads
 from precache.cache.pool import KVPool, LRView, PagedStore
+from precache.cache.rowplan import View
+from precache.cache.views import view_reads
 from precache.lora.adapter import LoRAAdapter
 from precache.models import model_from_hf
 from tests.tiny import AGENTS, make_engine, run_script, save_random_adapter, tiny_model

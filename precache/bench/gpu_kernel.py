@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from precache.cache.attention import BatchMetadata, RowAttention, get_backend
-from precache.cache.plan import View, view_reads
 from precache.cache.pool import KVPool, LRView, PagedStore
+from precache.cache.rowplan import View
+from precache.cache.views import view_reads
 from precache.lora.adapter import LoRAAdapter
 
 #: (new tokens, cached tokens) per prefill case and (batch, context) per decode case

@@ -15,9 +15,10 @@ from typing import ClassVar
 
 import torch
 
-from precache.cache.plan import LRWrite, RowPlan, View, materialise_view
 from precache.cache.pool import DEFAULT_BLOCK_SIZE, KVPool, LRView, PagedStore
 from precache.cache.prefix import PrefixChain, attach, publish
+from precache.cache.rowplan import LRWrite, RowPlan, View
+from precache.cache.views import materialise_view
 from precache.errors import AdapterError, CacheIntegrityError
 from precache.lora.adapter import LoRAAdapter
 

@@ -5,7 +5,7 @@ not seen. Its prefill cost is therefore NonShared's; it saves memory, not comput
 
 from __future__ import annotations
 
-from precache.cache.plan import BaseWrite, LRWrite, RowPlan, View
+from precache.cache.rowplan import BaseWrite, LRWrite, RowPlan, View
 from precache.errors import CacheIntegrityError
 from precache.methods.base import CacheState, SplitKVMethod
 

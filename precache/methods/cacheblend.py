@@ -19,7 +19,7 @@ recomputed at every layer, which is the agent's own forward: NonShared for that 
 
 from __future__ import annotations
 
-from precache.cache.plan import Recompute
+from precache.cache.rowplan import Recompute
 from precache.methods.selective import SelectiveRecompute, check_fraction, kept_tokens, top_deviations
 
 DEFAULT_RHO = 0.15

@@ -6,7 +6,8 @@ other agents read the author's adapted K/V unchanged, which is where its fidelit
 
 from __future__ import annotations
 
-from precache.cache.plan import FullWrite, RowPlan, View, materialise_view
+from precache.cache.rowplan import FullWrite, RowPlan, View
+from precache.cache.views import materialise_view
 from precache.methods.base import CacheState, SharingMethod
 
 

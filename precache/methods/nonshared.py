@@ -6,7 +6,8 @@ other agents added since its last turn, so N agents read each token at most N ti
 
 from __future__ import annotations
 
-from precache.cache.plan import FullWrite, RowPlan, View, materialise_view
+from precache.cache.rowplan import FullWrite, RowPlan, View
+from precache.cache.views import materialise_view
 from precache.methods.base import CacheState, SharingMethod
 
 _BASE_KEY = "<base>"

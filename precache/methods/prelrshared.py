@@ -5,7 +5,7 @@ Every later turn prefills only new tokens; memory is one base plus N rank-r LR c
 
 from __future__ import annotations
 
-from precache.cache.plan import BaseWrite, RowPlan, View
+from precache.cache.rowplan import BaseWrite, RowPlan, View
 from precache.methods.base import SplitKVMethod
 
 

@@ -10,7 +10,7 @@ lazy prefill, outside the next agent's TTFT) or as a second row of every forward
 
 from __future__ import annotations
 
-from precache.cache.plan import BaseWrite, FullWrite, LRWrite, RowPlan, View
+from precache.cache.rowplan import BaseWrite, FullWrite, LRWrite, RowPlan, View
 from precache.methods.base import CacheState, SplitKVMethod
 
 SCHEDULES = ("lp", "db")

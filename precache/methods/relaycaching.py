@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-from precache.cache.plan import Recompute
+from precache.cache.rowplan import Recompute
 from precache.methods.selective import (
     SelectiveRecompute,
     check_fraction,

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from precache.cache.plan import FullWrite, Recompute, RowPlan, View, materialise_view
+from precache.cache.rowplan import FullWrite, Recompute, RowPlan, View
+from precache.cache.views import materialise_view
 from precache.methods.base import CacheState
 from precache.methods.fullshared import FullShared
 from precache.models.contract import LayerInput
