@@ -24,6 +24,10 @@ class SamplingParams:
     5. greedy: argmax; else ``temperature``, ``min_p`` (drop tokens with a probability below
        ``min_p`` times the top one), ``top_k`` (0 or -1: off), ``top_p`` (nucleus), then a draw.
 
+    ``n``: choices sampled from one prompt (vLLM's parallel sampling): the prompt is prefilled
+    once, then the choices fork its caches (copy-on-write) and decode in the same steps; choice
+    ``i > 0`` samples with ``seed + i`` when ``seed`` is set.
+
     ``logprobs``: return the log-probability of each sampled token and of the ``logprobs`` most
     likely ones (:attr:`~precache.engine.request.Turn.logprobs`), computed from the model's raw
     logits (before step 1; vLLM's default ``raw_logprobs`` mode).
@@ -60,6 +64,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    n: int = 1
 
     def __post_init__(self):
         from precache.errors import EmptyRequestError
@@ -72,6 +77,7 @@ class SamplingParams:
             (self.top_k >= -1, "top_k must be -1, 0 (off) or positive", self.top_k),
             (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", self.min_p),
             (self.min_tokens >= 0, "min_tokens must be >= 0", self.min_tokens),
+            (isinstance(self.n, int) and self.n >= 1, "n must be an integer >= 1", self.n),
             (self.repetition_penalty > 0.0, "repetition_penalty must be > 0", self.repetition_penalty),
             (
                 -2.0 <= self.frequency_penalty <= 2.0,

@@ -2,7 +2,7 @@
 tokens never come out as U+FFFD; ``Session.generate``, ``Session.stream`` and the server return the
 same text; stop strings are never returned, nor streamed in part (the OpenAI rule).
 
-The engine tests script the sampled ids (``precache.engine.turn.sample`` replaced) on a tiny random
+The engine tests script the sampled ids (``precache.engine.request.sample`` replaced) on a tiny random
 model with SmolLM2's vocabulary, so the text is known: only the tokenizer is real (no weights load).
 """
 
@@ -115,16 +115,16 @@ def scripted(monkeypatch):
         turn_out = state["turn"]
         return state["ids"][len(turn_out.out)] if len(turn_out.out) < len(state["ids"]) else state["ids"][-1]
 
-    from precache.engine import turn as turn_module
+    from precache.engine import request as turn_module
 
-    original_advance = turn_module.SteppedTurn.advance
+    original_sample = turn_module.Request.sample
 
     def advance(self, logits):
         state["turn"] = self
-        return original_advance(self, logits)
+        return original_sample(self, logits)
 
     monkeypatch.setattr(turn_module, "sample", fake_sample)
-    monkeypatch.setattr(turn_module.SteppedTurn, "advance", advance)
+    monkeypatch.setattr(turn_module.Request, "sample", advance)
 
     def script(ids):
         state["ids"] = list(ids)
@@ -214,7 +214,7 @@ def test_the_agent_loop_keeps_its_trajectory_under_the_stop_rule(tmp_path, monke
 
     from precache.agents.data import get_question
     from precache.agents.loop import run_episode
-    from precache.engine import turn as turn_module
+    from precache.engine import request as turn_module
     from tests.test_server_support import char_tokenizer
     from tests.tiny import save_random_adapter
 
@@ -229,19 +229,19 @@ def test_the_agent_loop_keeps_its_trajectory_under_the_stop_rule(tmp_path, monke
         model_from_hf(hf, tokenizer=char_tokenizer()), adapters=dirs, method="prelrshared"
     )
     script = {"plan": "Thought: go\nAction: Finish[", "action": "Badr Hari]", "reflect": "Reflect[right]"}
-    original_advance = turn_module.SteppedTurn.advance
+    original_sample = turn_module.Request.sample
     current = {}
 
     def advance(self, logits):
         current["turn"] = self
-        return original_advance(self, logits)
+        return original_sample(self, logits)
 
     def fake_sample(logits, params, generator=None):
         t = current["turn"]
         return engine.encode(script[t.agent])[len(t.out)]
 
     monkeypatch.setattr(turn_module, "sample", fake_sample)
-    monkeypatch.setattr(turn_module.SteppedTurn, "advance", advance)
+    monkeypatch.setattr(turn_module.Request, "sample", advance)
     session = engine.session()
     episode = run_episode(session, get_question("5a832c3455429954d2e2ec41"), max_new_tokens=40)
     assert episode.stop_reason == "reflect_right" and episode.answer == "Badr Hari" and episode.em == 1.0

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from precache.engine import RequestState, SchedulerConfig, run_concurrently
-from precache.engine.turn import TurnPhase
+from precache.engine import Phase, RequestState, SchedulerConfig, run_concurrently
 from precache.errors import (
     ContextLengthError,
     RequestCancelledError,
@@ -89,7 +88,7 @@ def test_chunked_prefill_within_the_step_budget_gives_the_same_tokens(tiny):
         requests.append(s.submit("plan", max_new_tokens=4))
     chunks = []  # prefill tokens per forward; decode rows and LP's post-turn passes come on top
     while not all(r.finished for r in requests):
-        prefilling = {r for r in requests if r.turn is None or r.turn.phase is TurnPhase.PREFILL}
+        prefilling = {r for r in requests if r.phase in (None, Phase.PREFILL)}
         batch = engine.step()
         assert len(batch.requests) <= 2  # max_running
         chunks.append(

@@ -7,7 +7,7 @@ import pytest
 
 from precache.cache.plan import run_plans
 from precache.config import SamplingParams
-from precache.engine.turn import SteppedTurn
+from precache.engine.request import Request
 from precache.errors import ContextLengthError
 from tests.tiny import make_engine
 
@@ -17,7 +17,9 @@ def test_a_plan_past_the_context_is_refused_before_blocks_are_reserved(tiny):
     engine = make_engine(model, dirs, "prelrshared", prefix_caching=False)
     session = engine.session()
     session.append(list(range(3, 20)))
-    plans = SteppedTurn(session, "plan", SamplingParams(max_new_tokens=1)).plans(None)
+    request = Request(session, "plan", SamplingParams(max_new_tokens=1))
+    request.open()
+    plans = request.plans(None)
     before = engine.cache_usage()["allocated"]
     late = [dataclasses.replace(p, pos0=model.max_context - len(p.token_ids) + 1) for p in plans]
     with pytest.raises(ContextLengthError, match=f"past the context length {model.max_context}"):

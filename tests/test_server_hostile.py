@@ -186,14 +186,14 @@ def test_at_least_60_hostile_requests_are_4xx_with_an_openai_error_and_the_serve
     for status, code in [*statuses.values(), (413, "request_too_large")]:
         want[(str(status), code or "none")] = want.get((str(status), code or "none"), 0) + 1
     assert added == want
-    assert server.app.state.scheduler.call(lambda pool: pool.check()).result(30) >= 1
+    assert server.app.state.loop.call(lambda pool: pool.check()).result(30) >= 1
 
 
 def test_error_counter_counts_500s(tiny):
     engine = tiny_engine(tiny, "prelrshared")
     with live(engine) as (server, _):
         root = server.url.removesuffix("/v1")
-        server.app.state.scheduler.submit = _raise  # a bug in the request path
+        server.app.state.loop.submit = _raise  # a bug in the request path
         with httpx.Client(base_url=root, timeout=60) as http:
             r = http.post("/v1/completions", json=OK)
             assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
@@ -371,6 +371,6 @@ def test_shutdown_drains_for_the_timeout_then_cancels_running_streams(tiny):
     assert first.wait(60)
     server.stop()
     reader.join(60)
-    assert not server._thread.is_alive() and not app.state.scheduler.alive
+    assert not server._thread.is_alive() and not app.state.loop.alive
     tokens = sum(1 for c in chunks if c.startswith("data: {"))
     assert 0 < tokens < 240 and "data: [DONE]" not in chunks

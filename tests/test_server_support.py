@@ -68,7 +68,7 @@ def live(engine, **config):
 def wait_idle(server, timeout_s: float = 10.0) -> list[tuple[list[int], bool]]:
     """Wait until no request runs (post-turn passes included); return ``(trajectory, busy)`` of
     every session."""
-    scheduler = server.app.state.scheduler
+    scheduler = server.app.state.loop
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not sum(scheduler.call(lambda pool: scheduler.load()).result(10)):
@@ -83,7 +83,7 @@ def check_all_sessions(server) -> int:
     """Once idle, run the cache integrity check on every cached session (on the scheduler thread);
     return how many there are."""
     wait_idle(server)
-    scheduler = server.app.state.scheduler
+    scheduler = server.app.state.loop
 
     def check(pool):
         for entry in pool.entries.values():

@@ -65,7 +65,7 @@ def test_a_conversation_is_the_same_alone_and_interleaved_with_another_tenant(ti
 
 
 def _sessions(server):
-    return server.app.state.scheduler.call(
+    return server.app.state.loop.call(
         lambda pool: sorted((e.tenant or "", e.session.cache_salt or "") for e in pool.entries.values())
     ).result(30)
 
@@ -217,7 +217,7 @@ def test_32_concurrent_conversations_over_3_tenants_no_5xx_no_cross_tenant_hit(t
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(lambda p: conversation(client, *p), plans))
         assert check_all_sessions(server) >= 3
-        assert server.app.state.scheduler.call(lambda pool: pool.check()).result(30) >= 3
+        assert server.app.state.loop.call(lambda pool: pool.check()).result(30) >= 3
     assert len(log) == sum(2 + i % 2 for i in range(32)) and {e[6] for e in log} == {200}
     for j, (tenant, _, end, prompt, _, cached, _) in enumerate(log):
         own = [e[4] for k, e in enumerate(log) if k != j and e[0] == tenant and e[1] < end]

@@ -8,7 +8,7 @@ import torch
 
 from precache.cache.plan import run_plans
 from precache.config import SamplingParams
-from precache.engine.turn import SteppedTurn, TurnPhase
+from precache.engine.request import Phase, Request
 from precache.server.errors import APIError
 from precache.server.prefix import TokenTrie
 from precache.server.protocol import CompletionRequest, sampling_params
@@ -45,14 +45,19 @@ def test_sampling_params_name_the_bad_field():
 
 
 def _turn(session, agent, n):
-    return SteppedTurn(session, agent, SamplingParams(max_new_tokens=n, temperature=0.0))
+    request = Request(session, agent, SamplingParams(max_new_tokens=n, temperature=0.0))
+    request.open()
+    return request
 
 
 def _drive(turn, chunk):
-    """Run a stepped turn alone, prefilling ``chunk`` tokens per forward."""
-    while turn.phase is not TurnPhase.DONE:
+    """Run a request alone, prefilling ``chunk`` tokens per forward."""
+    while turn.phase is not Phase.DONE:
         plans = turn.plans(chunk)
-        turn.advance(run_plans(turn.session.engine.model, plans)[0])
+        logits = run_plans(turn.session.engine.model, plans)[0]
+        if turn.ran():
+            turn.sample(logits)
+    turn.complete()
     return turn.out
 
 
@@ -82,33 +87,34 @@ def test_pool_reuses_continuations_forks_branches_and_waits_on_busy(tiny):
     assert first.how == "new" and first.common == 0
     assert pool.acquire(list(range(10, 40))) is None  # continues a busy conversation: wait
     other = pool.acquire(list(range(50, 60)))
-    assert other.how == "new" and other.entry is not first.entry  # unrelated: nothing shared
-    pool.release(other.entry)
-    first.entry.session.append([1, 2])  # as if the turn had answered
-    pool.release(first.entry)
+    assert other.how == "new" and other is not first  # unrelated: nothing shared
+    pool.release(other)
+    first.session.append([1, 2])  # as if the turn had answered
+    pool.release(first)
     again = pool.acquire(list(range(10, 30)) + [1, 2, 3])
-    assert again.how == "reuse" and again.entry is first.entry and again.common == 22
-    pool.release(again.entry)
+    assert again.how == "reuse" and again is first and again.common == 22
+    pool.release(again)
     branch = pool.acquire(list(range(10, 25)) + [5, 5])  # shares 15 of 23: a branch
-    assert branch.how == "fork" and branch.common == 15 and branch.entry is not first.entry
-    assert first.entry.session.token_ids[:23] == list(range(10, 30)) + [1, 2, 3]  # untouched
-    pinned = pool.acquire([3, 3, 3], session_id=first.entry.sid)
-    assert pinned.how == "pinned" and pinned.entry.session.token_ids == [3, 3, 3]
+    assert branch.how == "fork" and branch.common == 15 and branch is not first
+    assert first.session.token_ids[:23] == list(range(10, 30)) + [1, 2, 3]  # untouched
+    pinned = pool.acquire([3, 3, 3], session_id=first.sid)
+    assert pinned.how == "pinned" and pinned.session.token_ids == [3, 3, 3]
 
 
-def test_pool_evicts_idle_sessions_least_recently_used_first(tiny):
+def test_pool_reclaims_idle_sessions_least_recently_used_first(tiny):
     model, dirs, _ = tiny
-    engine = make_engine(model, dirs, "prelrshared")
-    pool = SessionPool(engine, max_bytes=None)
-    claims = []
+    engine = make_engine(model, dirs, "prelrshared", prefix_caching=False)
+    pool = SessionPool(engine)
+    entries = []
     for i in range(3):
-        claim = pool.acquire([20 + i] * 6)
-        _drive(_turn(claim.entry.session, "plan", 2), chunk=64)
-        pool.release(claim.entry)
-        claims.append(claim)
-    per_session = claims[0].entry.session.cache_bytes()["total"]
-    busy = pool.acquire([20] * 6 + [1])  # the oldest one is busy again: never evicted
-    pool.max_bytes = per_session * 2
-    assert pool.evict() == 1
-    assert set(pool.entries) == {claims[0].entry.key, claims[2].entry.key} and busy.entry is claims[0].entry
-    assert pool.total_bytes() <= pool.max_bytes
+        entry = pool.acquire([20 + i] * 6)
+        _drive(_turn(entry.session, "plan", 2), chunk=64)
+        pool.release(entry)
+        entries.append(entry)
+    per_session = len(entries[0].session.state.base.blocks)
+    busy = pool.acquire([20] * 6 + [1])  # the oldest one is busy again: never dropped
+    free = engine.pool.allocator.num_available
+    assert pool.reclaim(per_session) == per_session  # one idle session is enough: the LRU one
+    assert set(pool.entries) == {entries[0].key, entries[2].key} and busy is entries[0]
+    assert engine.pool.allocator.num_available == free + per_session
+    assert pool.reclaim(10**6) == per_session and set(pool.entries) == {entries[0].key}

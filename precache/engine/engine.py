@@ -13,7 +13,8 @@ from typing import TypeVar
 from precache.cache.attention import default_backend, get_backend
 from precache.cache.plan import run_plans
 from precache.cache.pool import DEFAULT_BLOCK_SIZE
-from precache.engine.request import Request, Turn
+from precache.engine.outputs import Turn
+from precache.engine.request import Request
 from precache.engine.scheduler import Batch, Scheduler, run_concurrently
 from precache.engine.session import Session
 from precache.errors import AdapterError
@@ -148,11 +149,6 @@ class Engine:
         with TOKENIZER_LOCK:
             return self.tokenizer.decode(token_ids, **{"skip_special_tokens": False, **options})
 
-    def decode_piece(self, token_ids: list[int]) -> str:
-        """Text the last token of ``token_ids`` adds (context of a few tokens for multi-byte pieces)."""
-        tail = token_ids[-6:]
-        return self.decode(tail)[len(self.decode(tail[:-1])) :]
-
     # -- batching: one scheduler, one forward per step -------------------------------------------
     def _forward(self, plans: list) -> list:
         with _forward_lock(self.model):
@@ -174,7 +170,7 @@ class Engine:
         """Step until ``until()`` holds (default: ``request`` finished), or wait while another thread
         steps: every waiting thread's rows share the same forwards. Errors stay on the request
         (:meth:`Request.outcome`)."""
-        self.scheduler.drive(until or (lambda: request.finished))
+        self.scheduler.drive(until or (lambda: request.all_finished))
 
     def wait_all(self, requests: Sequence[Request]) -> list[Turn]:
         """Step until every request is over; return their turns in order.
@@ -182,7 +178,7 @@ class Engine:
         Raises:
             the first request's error (:meth:`Request.outcome`).
         """
-        self.scheduler.drive(lambda: all(r.finished for r in requests))
+        self.scheduler.drive(lambda: all(r.all_finished for r in requests))
         return [r.outcome() for r in requests]
 
     def cancel(self, request: Request) -> None:

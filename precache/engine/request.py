@@ -1,9 +1,14 @@
-"""What the engine scheduler works on: a request (one turn asked of a session), its state, the
-tokens it streams out, and the one record of a finished turn (:class:`Turn`).
+"""The request: one turn asked of a session, carried in one record from submission to its output
+(what ``Sequence`` is in nano-vllm): its sampling parameters, the token ids it generated, its
+state, the caches it works on (its session's block tables, or their host copies while they are
+swapped out) and what it gives back (:class:`~precache.engine.outputs.StreamChunk` as tokens come,
+:class:`~precache.engine.outputs.Turn` at the end).
 
-Plain Python: the scheduler (:mod:`precache.engine.scheduler`) moves a request from WAITING to
-RUNNING when its turn opens on the caches, and to FINISHED (or CANCELLED, FAILED) once the turn
-and its post-turn pass are over.
+The scheduler (:mod:`precache.engine.scheduler`) moves it WAITING -> RUNNING when its turn opens
+on the caches (``prefill_start`` -> ``begin_turn``), runs its rows (chunked prefill, then one
+token per step) and ends it FINISHED, CANCELLED or FAILED once the turn and its post-turn pass
+(ReBaseShared LP's neutral prefill) ran. Under memory pressure it may be PREEMPTED (its caches
+swapped out, :mod:`precache.engine.preemption`) and RUNNING again later, its tokens kept.
 """
 
 from __future__ import annotations
@@ -15,138 +20,84 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
+from precache.cache.plan import RowPlan
 from precache.config import SamplingParams
+from precache.engine.detokenize import IncrementalDetokenizer, StopStrings
+from precache.engine.outputs import StreamChunk, TokenLogprob, Turn
+from precache.engine.sampler import sample, shape_logits, token_logprobs
 from precache.errors import RequestCancelledError
 
 if TYPE_CHECKING:
-    import torch
-
+    from precache.cache.swap import SwappedBlocks
     from precache.engine.session import Session
-    from precache.engine.turn import SteppedTurn
 
 _ids = itertools.count()
 
 
-@dataclass(kw_only=True)
-class Turn:
-    """One agent's turn on a trajectory: the one record the engine, the agent loop, the benchmarks
-    and the server share (built with keywords).
-
-    ``agent``: the adapter (None: base model); ``token_ids``: the generated ids (all of them stay in
-    the trajectory); ``text``: their text by the OpenAI rule of :class:`~precache.config.SamplingParams`
-    (no stop string, no stop token's text, no partial character); ``trimmed``: the text that rule cut
-    off the end (the stop string and what its token added past it, or the stop token's text), so
-    ``text + trimmed`` is the text of every generated token. ``stop_reason``: ``eos``, ``stop`` (a
-    stop string or a ``stop_token_ids`` id), ``length``, ``cancelled`` or ``error``;
-    ``matched_stop``: the stop string or stop token id that ended the turn (vLLM's
-    ``stop_reason``; None otherwise). ``logprobs``: one :class:`TokenLogprob` per generated token
-    when the turn asked for them. Times in seconds: ``ttft_s``
-    from the turn's opening to its first token, ``decode_s`` from there to the last token,
-    ``neutral_s`` the post-turn pass (ReBaseShared LP's neutral prefill of ``neutral_tokens``
-    tokens, outside the next turn's TTFT). ``prefill_tokens`` counts every row of the prefill
-    forwards (ReBaseShared DB's neutral row included; a selective-recompute row counts its
-    recomputed token-layers over the layer count, rounded up: ``RowPlan.prefill_cost``). ``appended``: the ids appended to the
-    trajectory since the session's previous turn; ``prompt_tokens``: trajectory length when the
-    turn opened; ``cached_tokens``: the first position the turn prefilled (prompt tokens read from
-    the cache). ``kv_bytes``: the session's cache bytes once the turn is over. ``first_logits``
-    ``[vocab]``: the fp32 logits the first token was sampled from; ``logits`` ``[n, vocab]``: every
-    step's logits (teacher-forced turns only).
-    """
-
-    agent: str | None
-    token_ids: list[int]
-    text: str = ""
-    stop_reason: str = ""
-    matched_stop: str | int | None = None
-    trimmed: str = ""
-    logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
-    ttft_s: float = 0.0
-    decode_s: float = 0.0
-    prefill_tokens: int = 0
-    neutral_tokens: int = 0
-    neutral_s: float = 0.0
-    appended: tuple[int, ...] = field(default=(), repr=False)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    kv_bytes: int = 0
-    session_id: str = ""
-    first_logits: torch.Tensor | None = field(default=None, repr=False)
-    logits: torch.Tensor | None = field(default=None, repr=False)
-
-    @property
-    def new_tokens(self) -> int:
-        """Tokens the turn generated."""
-        return len(self.token_ids)
-
-    @property
-    def latency_s(self) -> float:
-        return self.ttft_s + self.decode_s
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        steps = len(self.token_ids) - 1
-        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
-
-    def summary(self) -> dict:
-        """JSON-ready scalars (no token ids, no logits)."""
-        keys = ("agent", "text", "stop_reason", "ttft_s", "decode_s", "prefill_tokens")
-        keys += ("neutral_tokens", "neutral_s", "prompt_tokens", "cached_tokens", "kv_bytes")
-        return {"new_tokens": self.new_tokens, **{k: getattr(self, k) for k in keys}}
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A sampled token's natural-log probability under the model's raw logits, and the ``top``
-    most likely ids with theirs (most likely first)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass(frozen=True)
-class StreamChunk:
-    """A token as it is sampled, with the text that is now safe to send (whole characters only,
-    no part of a possible stop string: often "", and several tokens' text at once later; the
-    chunks' texts concatenate to :attr:`Turn.text`), and its log-probabilities when asked for."""
-
-    token_id: int
-    text: str
-    logprob: TokenLogprob | None = None
-
-
 class RequestState(enum.Enum):
-    """Where a request is: queued, in the batch, or over (with a result, cancelled, or failed)."""
+    """Where a request is: queued, in the batch, swapped out, or over (with a result, cancelled, or
+    failed)."""
 
     WAITING = "waiting"
     RUNNING = "running"
+    PREEMPTED = "preempted"
     FINISHED = "finished"
     CANCELLED = "cancelled"
     FAILED = "failed"
 
 
+class Phase(enum.Enum):
+    """Where the open turn is: ``PREFILL`` -> ``DECODE`` -> (``POST``: the post-turn pass) -> ``DONE``."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    POST = "post"
+    DONE = "done"
+
+
 @dataclass(eq=False)
 class Request:
     """One turn of ``agent`` (None: base model) asked of ``session``, whose trajectory ends with the
-    prompt; ``forced`` replaces sampling by these tokens (teacher forcing).
+    prompt; ``forced`` replaces sampling by these tokens (teacher forcing, logits kept).
 
-    The scheduler fills ``turn`` (the open turn: the sequence being prefilled and decoded) when the
-    request starts, appends each sampled token to ``chunks`` (any thread may pop them), and sets
-    ``result`` (FINISHED) or ``error`` (FAILED) at the end. ``arrival``: ``perf_counter`` seconds.
+    ``params.n > 1`` asks for parallel sampling: once the prompt is prefilled, choices 1..n-1 are
+    requests of their own (``children``, ``index`` i, ``parent`` this one) on forks of the session
+    that share its blocks, and they decode in the same steps. ``chunks``: the sampled tokens (any
+    thread may pop them); ``result`` (FINISHED or CANCELLED) or ``error`` (FAILED) at the end;
+    ``arrival``: ``perf_counter`` seconds (with ``id``, the request's age: older goes first, and a
+    younger request never preempts an older one). Turn times (seconds, ``perf_counter``):
+    ``t_open``, ``t_first`` (first token), ``t_end`` (turn closed), ``t_done`` (post-turn pass run).
     """
 
     session: Session
     agent: str | None
     params: SamplingParams
     forced: list[int] | None = None
+    index: int = 0
+    parent: Request | None = field(default=None, repr=False)
     id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.perf_counter)
     state: RequestState = RequestState.WAITING
-    turn: SteppedTurn | None = field(default=None, repr=False)
+    phase: Phase | None = None  # None until the turn opens
     chunks: deque[StreamChunk] = field(default_factory=deque, repr=False)
+    children: list[Request] = field(default_factory=list, repr=False)
     result: Turn | None = field(default=None, repr=False)
     error: BaseException | None = None
     cancel_requested: bool = False
+    preemptions: int = 0
+
+    # -- state ---------------------------------------------------------------------------------
+    @property
+    def priority(self) -> tuple[float, int]:
+        """Older first: arrival time, then id (choices share their parent's arrival)."""
+        return self.arrival, self.id
+
+    @property
+    def swapped(self) -> SwappedBlocks | None:
+        """The host copies of the session's caches while they are swapped out, else None."""
+        return self.session.swapped
 
     @property
     def finished(self) -> bool:
@@ -154,12 +105,22 @@ class Request:
         return self.state in (RequestState.FINISHED, RequestState.CANCELLED, RequestState.FAILED)
 
     @property
+    def all_finished(self) -> bool:
+        """This request and every choice forked from it are over."""
+        return self.finished and all(c.finished for c in self.children)
+
+    @property
     def closed(self) -> bool:
         """Every token is out (the post-turn pass may still be running)."""
-        return self.finished or (self.turn is not None and self.turn.closed)
+        return self.finished or self.phase in (Phase.POST, Phase.DONE)
+
+    @property
+    def prefill_left(self) -> int:
+        """Prompt tokens still to prefill."""
+        return len(self.session.token_ids) - self.pos if self.phase is Phase.PREFILL else 0
 
     def outcome(self) -> Turn:
-        """The finished turn.
+        """The finished turn (choice 0 under parallel sampling: :meth:`outcomes` gives them all).
 
         Raises:
             RequestCancelledError: the request was cancelled (``exc.turn``: the tokens so far, or None).
@@ -172,3 +133,241 @@ class Request:
         if self.state is not RequestState.FINISHED:
             raise RuntimeError(f"request {self.id} is {self.state.value}, not finished")
         return self.result
+
+    def outcomes(self) -> list[Turn]:
+        """Every choice's turn, by index (raises as :meth:`outcome`)."""
+        return [self.outcome(), *(c.outcome() for c in self.children)]
+
+    # -- the turn ------------------------------------------------------------------------------
+    def open(self) -> None:
+        """Start the turn on the session's caches (between turns only): blocks other trajectories
+        published for the same prefix are attached, then the method says where the prefill starts.
+
+        Raises:
+            EmptyRequestError, ContextLengthError: no prompt, or no room left.
+            CacheCapacityError: the turn (all ``n`` choices) could never fit the block pool.
+        """
+        s, params, forced = self.session, self.params, self.forced
+        s.check_room(len(forced) if forced else 0)
+        budget = len(forced) if forced else params.max_new_tokens
+        method = self.method = s.method
+        n = len(s.token_ids)
+        method.check_fits(s.state, n + budget, choices=params.n)
+        self._start_sampling()
+        self.budget = min(params.max_new_tokens, s.engine.max_context - n)
+        self.prefill_tokens = self._chunk_tokens = self._end = 0
+        self.t_open, self.prompt_tokens = time.perf_counter(), n
+        self.appended = tuple(s.token_ids[s.last_turn_end :])
+        reused = method.reuse_prefix(s.state, self.agent, s.token_ids)
+        s.authors.extend([None] * (reused - len(s.authors)))  # their authors are not ours to know
+        # all cached: re-read the last prompt token for its logits, writing no cache entry (the
+        # entry belongs to whoever processed the token first: DESIGN.md, "Determinism")
+        self.reread = method.prefill_start(s.state, self.agent) >= n
+        method.begin_turn(s.state, self.agent)
+        self.pos = self.cached_tokens = n - 1 if self.reread else method.prefill_start(s.state, self.agent)
+        self.phase, self.state = Phase.PREFILL, RequestState.RUNNING
+        s.active = self
+
+    def _start_sampling(self) -> None:
+        params, engine = self.params, self.session.engine
+        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.out: list[int] = []
+        self.stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else frozenset(engine.eos_token_ids)
+        )
+        self.detokenizer = IncrementalDetokenizer(
+            lambda ids: engine.decode(
+                ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
+        )
+        self.stops = StopStrings(params.stop, params.include_stop_str_in_output)
+        self.text: list[str] = []  # the pieces sent so far (their concatenation is the turn's text)
+        self.matched_stop: str | int | None = None
+        self.token_logprobs: list[TokenLogprob] = []
+        self.logits: list[torch.Tensor] = []
+        self.first_logits: torch.Tensor | None = None
+        self.finish_reason: str | None = None
+        self.post: list[RowPlan] = []
+        self.t_first = self.t_end = self.t_done = 0.0
+
+    def fork(self, session: Session, index: int) -> Request:
+        """Choice ``index`` of this request on ``session`` (a fork of this one's caches with the turn
+        open, its prompt prefilled): it samples its first token from the same logits."""
+        seed = self.params.seed
+        params = SamplingParams(
+            **{**vars(self.params), "n": 1, "seed": None if seed is None else seed + index}
+        )
+        child = Request(session, self.agent, params, index=index, parent=self, arrival=self.arrival)
+        child.method, child.cancel_requested = self.method, self.cancel_requested
+        child._start_sampling()
+        for name in (
+            "budget",
+            "t_open",
+            "prompt_tokens",
+            "appended",
+            "reread",
+            "pos",
+            "cached_tokens",
+            "_end",
+        ):
+            setattr(child, name, getattr(self, name))
+        child.prefill_tokens = child._chunk_tokens = 0  # the prompt was prefilled once, by choice 0
+        child.phase, child.state, session.active = Phase.DECODE, RequestState.RUNNING, child
+        return child
+
+    def plans(self, max_prefill: int | None = None) -> list[RowPlan]:
+        """Rows for the next forward: a prefill chunk of at most ``max_prefill`` tokens (None: all;
+        at least one), the last sampled token, or the post-turn plans. The first row carries the logits."""
+        s, method = self.session, self.method
+        if self.phase is Phase.POST:
+            return self.post
+        if self.phase is Phase.DECODE:
+            pos = len(s.token_ids) - 1
+            self._end = pos + 1
+            return method.plans(s.state, self.agent, [s.token_ids[pos]], pos)
+        left = len(s.token_ids) - self.pos
+        self._end = self.pos + (left if max_prefill is None else min(left, max(1, max_prefill)))
+        plans = method.plans(s.state, self.agent, s.token_ids[self.pos : self._end], self.pos)
+        if self.reread:  # the agent's own row only, reading the cached entry of the token itself
+            plans = [RowPlan(p.token_ids, p.pos0, p.adapter, [], p.views) for p in plans[:1]]
+        # counted once the forward ran; a recompute row counts its token-layers (RowPlan.prefill_cost)
+        self._chunk_tokens = sum(p.prefill_cost for p in plans)
+        if self._end < len(s.token_ids):  # an inner chunk: nothing to sample yet
+            for plan in plans:
+                plan.want_logits = False
+        return plans
+
+    def ran(self) -> bool:
+        """Book the forward of :meth:`plans`; True when the request now samples a token (prefill over
+        or decoding), False after an inner prefill chunk or the post-turn pass."""
+        s = self.session
+        s.note_cache_bytes()
+        if self.phase is Phase.POST:
+            self.phase, self.t_done = Phase.DONE, time.perf_counter()
+            self.method.publish_prefix(s.state, s.token_ids)  # the pass completed more blocks
+            return False
+        s.authors.extend([self.agent] * (self._end - len(s.authors)))
+        if self.phase is Phase.PREFILL:
+            self.prefill_tokens += self._chunk_tokens
+            self.pos = self._end
+            if self.pos < len(s.token_ids):
+                return False
+        return True
+
+    def sample(self, logits: torch.Tensor) -> StreamChunk:
+        """Pick the next token from ``logits`` ``[vocab]`` (or take the forced one), append it to the
+        trajectory and return it with the text now safe to send; closes the turn at a stop."""
+        s = self.session
+        if self.phase is Phase.PREFILL:
+            self.phase, self.first_logits = Phase.DECODE, logits
+        if self.forced is not None:
+            self.logits.append(logits)
+            token = self.forced[len(self.out)]
+        else:
+            shaped = logits
+            if self.params.shapes_logits:
+                prompt = s.token_ids[: self.prompt_tokens]
+                shaped = shape_logits(logits, self.params, prompt, self.out, self.stop_ids)
+            token = sample(shaped, self.params, self.generator)
+        logprob = None
+        if self.params.logprobs is not None:
+            lp, top = token_logprobs(logits, token, self.params.logprobs)
+            logprob = TokenLogprob(token, lp, tuple(top))
+            self.token_logprobs.append(logprob)
+        self.out.append(token)
+        s.token_ids.append(token)
+        if len(self.out) == 1:
+            self.t_first = time.perf_counter()
+        text, reason = self._text(token)
+        self.text.append(text)
+        if reason or len(self.out) >= self.budget:
+            self.finish(reason or "length")
+            text += self.text[-1]  # what the detokenizer and the stop rule held back
+        chunk = StreamChunk(token, text, logprob, self.index)
+        self.chunks.append(chunk)
+        return chunk
+
+    def _text(self, token: int) -> tuple[str, str | None]:
+        """The text ``token`` makes safe to send, and the stop reason it causes (OpenAI rule)."""
+        checked = self.forced is None and len(self.out) >= self.params.min_tokens
+        if checked and token in self.stop_ids:
+            self.matched_stop = token if token in self.params.stop_token_ids else None
+            reason = "stop" if token in self.params.stop_token_ids else "eos"
+            held = self.stops.feed(self.detokenizer.flush(), check=False)[0] + self.stops.flush()
+            piece = self.detokenizer.push(token) + self.detokenizer.flush()
+            if self.params.include_stop_str_in_output:
+                return held + piece, reason
+            self.stops.cut = piece
+            return held, reason
+        text, stop = self.stops.feed(self.detokenizer.push(token), check=checked)
+        if stop is not None:
+            self.matched_stop = stop
+            return text, "stop"
+        return text, None
+
+    def _flush(self) -> str:
+        """What the detokenizer and the stop-string rule still hold when the turn ends."""
+        if self.stops.matched is not None:
+            self.stops.cut += self.detokenizer.flush()
+            return ""
+        if self.finish_reason in ("eos", "stop"):  # a stop token: its text is already placed
+            return ""
+        return self.stops.feed(self.detokenizer.flush(), check=False)[0] + self.stops.flush()
+
+    def finish(self, reason: str) -> None:
+        """Close the turn now (``reason``: eos, stop, length or cancelled); the tokens so far stay
+        in the trajectory. No-op when already closed."""
+        if self.closed:
+            return
+        s = self.session
+        self.finish_reason, self.t_end = reason, time.perf_counter()
+        self.text.append(self._flush())
+        self.post = self.method.end_turn(s.state, self.agent, s.token_ids)
+        s.last_turn_end = len(s.token_ids)
+        self.phase = Phase.POST if self.post else Phase.DONE
+        if not self.post:
+            self.t_done = self.t_end
+
+    def abort(self, reason: str) -> None:
+        """Close the turn and skip its post-turn pass (after a failed forward)."""
+        self.finish(reason)
+        self.post, self.phase = [], Phase.DONE
+        self.t_done = self.t_done or time.perf_counter()
+
+    def complete(self) -> Turn:
+        """End the request once its turn and post-turn pass are over (phase DONE): its final record
+        lands in ``result`` and the session's ``last_turn``, and the session is free again."""
+        s = self.session
+        self.result = self.record()
+        s.active, s.last_turn, s.last_used = None, self.result, time.perf_counter()
+        self.state = RequestState.CANCELLED if self.finish_reason == "cancelled" else RequestState.FINISHED
+        return self.result
+
+    def record(self) -> Turn:
+        """The turn so far as a :class:`~precache.engine.outputs.Turn` (its final record once DONE)."""
+        s = self.session
+        t_first = self.t_first or self.t_end
+        return Turn(
+            agent=self.agent,
+            token_ids=list(self.out),
+            text="".join(self.text),
+            stop_reason=self.finish_reason or "",
+            matched_stop=self.matched_stop,
+            trimmed=self.stops.cut,
+            logprobs=list(self.token_logprobs) if self.params.logprobs is not None else None,
+            ttft_s=max(t_first - self.t_open, 0.0),
+            decode_s=max(self.t_end - t_first, 0.0),
+            prefill_tokens=self.prefill_tokens,
+            neutral_tokens=sum(len(p.token_ids) for p in self.post),
+            neutral_s=max(self.t_done - self.t_end, 0.0),
+            appended=self.appended,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            kv_bytes=s.cache_bytes()["total"],
+            session_id=s.id,
+            index=self.index,
+            first_logits=self.first_logits,
+            logits=torch.stack(self.logits) if self.forced is not None and self.logits else None,
+        )

@@ -1,10 +1,13 @@
 """The engine scheduler: continuous batching over every request of one engine.
 
-Each :meth:`Scheduler.step` admits waiting requests (one per session at a time, at most
-``max_running``), then runs ONE forward over the rows of every running request: decode tokens,
-post-turn passes (ReBaseShared LP's neutral prefill) and prefill chunks in arrival order within
-``max_step_tokens``. ReBaseShared DB's adapter-free row comes out of ``method.plans`` and rides in
-the same forward. Then each request samples its token.
+:meth:`Scheduler.step` is schedule -> run -> postprocess. Scheduling takes the running requests
+oldest first, each with its rows for this step (:mod:`precache.engine.rows`: a decode token, the
+post-turn pass, or a prefill chunk within ``max_step_tokens``), while their blocks fit what the
+pool can hand out; a request that does not fit makes room by preempting younger ones
+(:mod:`precache.engine.preemption`); then, when nothing was preempted, waiting requests start or
+resume oldest first (:mod:`precache.engine.admission`). One forward runs every row; each request
+books it and samples its token; a prefill that asked for ``n`` choices forks them there
+(:mod:`precache.engine.parallel`).
 
 Concurrency without an event loop: any thread waiting on a request drives steps
 (:meth:`Scheduler.drive`); one thread steps at a time and every step serves all requests, so N
@@ -14,8 +17,10 @@ added and cancelled from any thread at any time.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -24,8 +29,8 @@ from typing import TypeVar
 
 from precache.cache.plan import blocks_needed
 from precache.cache.pool import KVPool
-from precache.engine.request import Request, RequestState, StreamChunk
-from precache.engine.turn import SteppedTurn, TurnPhase
+from precache.engine import admission, parallel, preemption, rows
+from precache.engine.request import Phase, Request, RequestState
 from precache.errors import OutOfBlocksError, PrecacheError
 from precache.terminal import progress
 
@@ -52,11 +57,13 @@ class SchedulerConfig:
 @dataclass
 class Batch:
     """One step: the requests with rows in its forward (``plans[i]`` are ``requests[i]``'s rows, its
-    first row carries the logits it samples from), and the requests that finished during it."""
+    first row carries the logits it samples from), the requests that finished during it, and how
+    many were preempted to make room."""
 
     requests: list[Request] = field(default_factory=list)
     plans: list[list] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
+    preempted: int = 0
 
     @property
     def rows(self) -> int:
@@ -69,14 +76,25 @@ class Batch:
         return sum(len(row.token_ids) for plans in self.plans for row in plans)
 
 
-class Scheduler:
-    """Requests of one engine: ``waiting`` (FIFO) and ``running``. ``forward(plans)`` runs row plans
-    as one batch and returns each plan's logits (:func:`~precache.cache.plan.run_plans`).
+@dataclass
+class _Room:
+    """What this step may still take: pool blocks (None: no pool) and prefill tokens (None: all)."""
 
-    With the engine's block ``pool``, a step takes rows only while the blocks they write fit in
-    what the pool can hand out (free or evictable); the others wait for a later step. The first
-    row of a step always runs: if even it does not fit, its request fails with
-    :class:`~precache.errors.OutOfBlocksError` (nothing else would free a block).
+    blocks: int | None
+    tokens: int | None
+
+
+class Scheduler:
+    """Requests of one engine: ``waiting`` (new or preempted, oldest first) and ``running`` (oldest
+    first). ``forward(plans)`` runs row plans as one batch and returns each plan's logits
+    (:func:`~precache.cache.plan.run_plans`).
+
+    With the engine's block ``pool``, a step takes rows only while the blocks they write fit what
+    the pool can hand out (free or evictable). ``reclaim(n)``, when set, lets the owner of idle
+    sessions give back about ``n`` blocks (the server drops cached conversations); then idle
+    ``sessions`` are swapped out, and only then a running request is preempted; ``reclaim``
+    returns the blocks it freed. A request that cannot fit even alone fails with
+    :class:`~precache.errors.OutOfBlocksError`.
     """
 
     def __init__(
@@ -87,9 +105,12 @@ class Scheduler:
     ):
         self.forward, self.pool = forward, pool
         self.config = config or SchedulerConfig()
-        self.waiting: deque[Request] = deque()
+        self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.reclaim: Callable[[int], int] | None = None
+        self.sessions: weakref.WeakSet = weakref.WeakSet()  # every session of the engine
         self.steps = 0  # forwards run
+        self.preemptions = 0  # requests swapped out, over the scheduler's life
         self._inbox: deque[Request] = deque()  # added from any thread, taken in by the stepping one
         self._cv = threading.Condition()
         self._stepping = False
@@ -103,9 +124,12 @@ class Scheduler:
         self._inbox.append(request)
 
     def cancel(self, request: Request) -> None:
-        """Cancel ``request`` (any thread) at the next step: a waiting one ends CANCELLED at once, a
-        running turn closes (its tokens so far stay in the trajectory) and runs its post-turn pass."""
+        """Cancel ``request`` and its choices (any thread) at the next step: a waiting one ends
+        CANCELLED at once, a running (or preempted, once resumed) turn closes (its tokens so far stay
+        in the trajectory) and runs its post-turn pass."""
         request.cancel_requested = True
+        for child in request.children:
+            child.cancel_requested = True
 
     # -- stepping: one thread at a time ----------------------------------------------------------
     def step(self) -> Batch:
@@ -115,6 +139,20 @@ class Scheduler:
                 self._cv.wait()
             self._stepping = True
         return self._step_and_release()
+
+    def exclusive(self, fn: Callable[[], T]) -> T:
+        """Run ``fn()`` between two steps (waits while another thread steps), e.g. to swap an idle
+        session's caches back in without a forward seeing the pool change."""
+        with self._cv:
+            while self._stepping:
+                self._cv.wait()
+            self._stepping = True
+        try:
+            return fn()
+        finally:
+            with self._cv:
+                self._stepping = False
+                self._cv.notify_all()
 
     def drive(self, until: Callable[[], bool]) -> None:
         """Run steps until ``until()`` holds, or wait while another thread steps (its steps serve
@@ -131,7 +169,7 @@ class Scheduler:
                     return
                 self._stepping = True
             batch = self._step_and_release()
-            if not batch.requests and not batch.finished and not until():
+            if not batch.requests and not batch.finished and not batch.preempted and not until():
                 raise RuntimeError("the scheduler has nothing to run for the awaited request")
 
     def _step_and_release(self) -> Batch:
@@ -145,85 +183,132 @@ class Scheduler:
     def _step(self) -> Batch:
         batch = Batch()
         while self._inbox:
-            self.waiting.append(self._inbox.popleft())
-        self._cancel_requested(batch)
-        self._admit(batch)
-        self._collect(batch)
+            self._enqueue(self._inbox.popleft())
+        self._cancel_waiting(batch)
+        room = _Room(self.pool.allocator.num_available if self.pool else None, self.config.max_step_tokens)
+        self._schedule_running(batch, room)
+        if not batch.preempted:
+            self._admit(batch, room)
         if batch.requests:
             self._run(batch)
         self._retire(batch)
         return batch
 
-    # -- the parts of a step ---------------------------------------------------------------------
-    def _cancel_requested(self, batch: Batch) -> None:
-        for r in [r for r in self.waiting if r.cancel_requested]:
+    # -- scheduling ------------------------------------------------------------------------------
+    def _enqueue(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=lambda r: r.priority)
+
+    def _cancel_waiting(self, batch: Batch) -> None:
+        for r in [r for r in self.waiting if r.cancel_requested and r.phase is None]:
             self.waiting.remove(r)
             r.state = RequestState.CANCELLED
             batch.finished.append(r)
         for r in self.running:
             if r.cancel_requested:
-                r.turn.finish("cancelled")
+                r.finish("cancelled")
 
-    def _admit(self, batch: Batch) -> None:
-        """Open the turns of waiting requests in arrival order; a session runs one request at a time."""
-        held: set = set()  # sessions with an earlier request still waiting
-        still: deque[Request] = deque()
-        for r in self.waiting:
-            s = r.session
-            if len(self.running) >= self.config.max_running or s.active is not None or s in held:
-                held.add(s)
-                still.append(r)
-                continue
-            try:
-                r.turn = SteppedTurn(s, r.agent, r.params, forced=r.forced)
-            except OutOfBlocksError as exc:  # transient: wait for running requests to free blocks
-                if not self.running:
-                    self._fail(r, exc, batch)
-                    continue
-                held.add(s)
-                still.append(r)
-                continue
-            except Exception as exc:
-                self._fail(r, exc, batch)
-                continue
-            r.state, s.active = RequestState.RUNNING, r
-            self.running.append(r)
-        self.waiting = still
+    def _schedule_running(self, batch: Batch, room: _Room) -> None:
+        """Every running request's rows, oldest first, making room by preempting younger ones."""
+        for r in list(self.running):
+            if r.state is RequestState.RUNNING:  # not preempted earlier in this loop
+                self._take_rows(r, batch, room, make_room=True)
 
-    def _collect(self, batch: Batch) -> None:
-        """Every decode token and post-turn pass, then prefill chunks in arrival order within the budget."""
-        budget = self.config.max_step_tokens
-        blocks = self.pool.allocator.num_available if self.pool is not None else None
-        decoding = [r for r in self.running if r.turn.phase in (TurnPhase.DECODE, TurnPhase.POST)]
-        prefilling = [r for r in self.running if r.turn.phase is TurnPhase.PREFILL]
-        for r in decoding + prefilling:
-            take = None
-            if r.turn.phase is TurnPhase.PREFILL and budget is not None:
-                if budget <= 0:
-                    continue
-                take = min(budget, r.turn.prefill_left)
-            try:
-                plans = r.turn.plans(take)
-            except Exception as exc:
-                self._fail(r, exc, batch)
-                continue
-            if blocks is not None:
-                need = blocks_needed(plans)
-                if need > blocks and batch.requests:
-                    continue  # waits for a step with room (plans are recomputed then)
-                blocks -= need
-            if take is not None:
-                budget -= take
-            batch.requests.append(r)
-            batch.plans.append(plans)
+    def _take_rows(self, r: Request, batch: Batch, room: _Room, make_room: bool) -> bool:
+        """Put ``r``'s rows in the batch if their blocks fit (preempting younger requests when
+        ``make_room``); False when they do not fit now (``r`` waits a step, or fails when it is the
+        only request and can never fit)."""
+        take = rows.prefill_take(r, room.tokens)
+        if take == 0:
+            return True  # the step's prefill budget is spent: the prefill goes on next step
+        try:
+            plans = r.plans(take)
+        except Exception as exc:
+            self._fail(r, exc, batch)
+            return False
+        need = blocks_needed(plans) if self.pool is not None else 0
+        if room.blocks is not None and need > room.blocks:
+            room.blocks += self._make_room(need - room.blocks, r, batch, preempt=make_room)
+            need = blocks_needed(plans)
+            if need > room.blocks:
+                if not batch.requests and len(self.running) == 1:
+                    self._fail(r, self._out_of_blocks(r, need, room.blocks), batch)
+                return False
+        if room.blocks is not None:
+            room.blocks -= need
+        if take is not None and room.tokens is not None:
+            room.tokens -= take
+        batch.requests.append(r)
+        batch.plans.append(plans)
+        return True
 
+    def _make_room(self, short: int, r: Request, batch: Batch, preempt: bool) -> int:
+        """Give back at least ``short`` blocks if possible: idle sessions first (``reclaim``), then,
+        with ``preempt``, the youngest running requests younger than ``r``; returns blocks freed."""
+        freed = self.reclaim(short) if self.reclaim is not None else 0
+        for session in preemption.idle_victims(self.sessions) if freed < short else ():
+            if freed >= short:
+                break
+            freed += preemption.swap_out_session(session, self.pool)
+        scheduled = {q.id for q in batch.requests}
+        while preempt and freed < short:
+            v = preemption.victim(self.running, scheduled, r)
+            if v is None:
+                break
+            freed += preemption.preempt(v, self.pool)
+            self.running.remove(v)
+            self._enqueue(v)
+            batch.preempted += 1
+            self.preemptions += 1
+        return freed
+
+    def _out_of_blocks(self, r: Request, need: int, available: int) -> OutOfBlocksError:
+        return OutOfBlocksError(
+            f"request {r.id} needs {need} more KV-cache blocks and only {available} can be handed out "
+            f"with no other request running: idle sessions hold the rest (close them) or raise "
+            f"kv_cache_bytes (the pool has {self.pool.num_blocks} blocks)"
+        )
+
+    def _admit(self, batch: Batch, room: _Room) -> None:
+        """Start or resume waiting requests oldest first while their blocks fit (admission)."""
+        for r in list(self.waiting):
+            if len(self.running) >= self.config.max_running:
+                return
+            if not admission.session_free(r):
+                continue  # its session's earlier request runs first; other sessions go on
+            if room.blocks is not None:
+                need = admission.start_blocks(r, self.pool, room.tokens)
+                if need > room.blocks:
+                    room.blocks += self._make_room(need - room.blocks, r, batch, preempt=False)
+                if need > room.blocks and (self.running or r.phase is not None):
+                    if r.phase is not None and not self.running:  # could not come back, ever
+                        self.waiting.remove(r)
+                        self._fail(r, self._out_of_blocks(r, need, room.blocks), batch)
+                    return  # first come, first served: nobody younger overtakes it
+            self.waiting.remove(r)
+            if not self._start(r, batch, room):
+                return
+
+    def _start(self, r: Request, batch: Batch, room: _Room) -> bool:
+        """Open ``r``'s turn (or swap its caches back in) and take its first rows."""
+        try:
+            if r.swapped is not None:
+                before = self.pool.allocator.num_available
+                preemption.resume(r, self.pool)
+                room.blocks -= before - self.pool.allocator.num_available
+            if r.phase is None:
+                r.open()
+        except Exception as exc:
+            self._fail(r, exc, batch)
+            return True
+        bisect.insort(self.running, r, key=lambda q: q.priority)
+        return self._take_rows(r, batch, room, make_room=False)
+
+    # -- running and postprocessing --------------------------------------------------------------
     def _run(self, batch: Batch) -> None:
         try:
             logits = self.forward([p for plans in batch.plans for p in plans])
         except Exception as exc:
-            if isinstance(exc, OutOfBlocksError):  # expected under memory pressure: the request says why
-                logger.info("the block pool is full (%s); failing %d requests", exc, len(batch.requests))
-            elif isinstance(exc, PrecacheError):
+            if isinstance(exc, PrecacheError):
                 logger.warning(
                     "a batched forward failed (%s); failing its %d requests", exc, len(batch.requests)
                 )
@@ -237,21 +322,22 @@ class Scheduler:
         for r, plans in zip(batch.requests, batch.plans, strict=True):
             first, i = logits[i], i + len(plans)
             try:
-                sampled = r.turn.advance(first)
+                if not r.ran():
+                    continue
+                if parallel.wants_choices(r):
+                    for child in parallel.fork_choices(r):
+                        bisect.insort(self.running, child, key=lambda q: q.priority)
+                        child.sample(first)
+                r.sample(first)
             except Exception as exc:
                 logger.exception("sampling failed for request %d", r.id)
                 self._fail(r, exc, batch)
-                continue
-            if sampled is not None:
-                r.chunks.append(StreamChunk(*sampled))
 
     def _retire(self, batch: Batch) -> None:
         """Finish the requests whose turn and post-turn pass are over."""
-        for r in [r for r in self.running if r.turn.phase is TurnPhase.DONE]:
+        for r in [r for r in self.running if r.phase is Phase.DONE]:
             self.running.remove(r)
-            r.result = r.turn.record()
-            r.session.active, r.session.last_turn = None, r.result
-            r.state = RequestState.CANCELLED if r.turn.finish_reason == "cancelled" else RequestState.FINISHED
+            r.complete()
             batch.finished.append(r)
 
     def _fail(self, request: Request, error: BaseException, batch: Batch) -> None:
@@ -259,8 +345,10 @@ class Scheduler:
         session's caches may be half-written by a failed forward)."""
         if request in self.running:
             self.running.remove(request)
-        if request.turn is not None:
-            request.turn.abort("error")
+        if request.phase is not None:
+            request.abort("error")
+        if request.swapped is not None:  # its caches never came back: the session starts over
+            request.session.forget_caches()
         if request.session.active is request:
             request.session.active = None
         request.error, request.state = error, RequestState.FAILED

@@ -7,12 +7,15 @@ engine steps (:meth:`Engine.step`), so turns of several sessions share forwards.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from precache.cache.swap import SwappedBlocks, swap_in
 from precache.config import SamplingParams
-from precache.engine.request import Request, StreamChunk, Turn
+from precache.engine.outputs import StreamChunk, Turn
+from precache.engine.request import Request
 from precache.errors import ContextLengthError, EmptyRequestError, SessionBusyError, UnknownAdapterError
 
 
@@ -34,7 +37,7 @@ class Session:
     t first (DESIGN.md, Notation; None: the base model, or a token whose cache blocks came from
     another trajectory with the same prefix). The caches live in ``state`` (see :mod:`precache.methods`).
     ``id`` names the trajectory (the server's ``session_id``); ``active`` is the request whose turn
-    runs on it (None between turns); ``last_turn_end`` the trajectory length when the latest turn
+    runs on it (None between turns; set by the request as it opens); ``last_turn_end`` the trajectory length when the latest turn
     closed (what was appended since is the next turn's :attr:`Turn.appended`). ``cache_salt``: the
     tenant (None: the default one); the trajectory reuses and publishes cache blocks by token prefix
     only among trajectories with the same salt (:mod:`precache.cache.prefix`), and its forks keep it.
@@ -50,12 +53,15 @@ class Session:
     last_turn_end: int = 0
     active: Request | None = field(default=None, repr=False)
     cache_salt: str | None = None
+    swapped: SwappedBlocks | None = field(default=None, repr=False)
+    last_used: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self):
         self.method = self.engine.method
         if self.state is None:
             self.state = self.method.new_state()
             self.state.salt = self.cache_salt
+        self.engine.scheduler.sessions.add(self)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -87,6 +93,7 @@ class Session:
             SessionBusyError: a turn runs on this session.
         """
         self._check_idle("sync")
+        self._resident()
         common = common_prefix(self.token_ids, token_ids)
         if common < len(self.token_ids):
             self.method.truncate(self.state, common)
@@ -106,6 +113,7 @@ class Session:
             ValueError: ``length`` is not in ``[0, len(self)]``.
         """
         self._check_idle("fork")
+        self._resident()
         if not 0 <= length <= len(self.token_ids):
             raise ValueError(f"cannot fork {length} tokens of a {len(self.token_ids)}-token trajectory")
         return Session(
@@ -125,10 +133,30 @@ class Session:
             SessionBusyError: a turn runs on this session.
         """
         self._check_idle("close")
+        self.swapped = None  # host copies of swapped-out caches: dropped with the rest
         self.method.truncate(self.state, 0)
         self.token_ids.clear()
         self.authors.clear()
         self.last_turn_end = 0
+
+    def fork_open(self, length: int) -> Session:
+        """A fork over the first ``length`` tokens while a turn is open on this session: the fork
+        carries the open turn's caches (parallel sampling; only the scheduler calls this)."""
+        return Session(
+            self.engine,
+            token_ids=self.token_ids[:length],
+            authors=self.authors[:length],
+            state=self.method.fork_state(self.state, length, open_turn=True),
+            last_turn_end=self.last_turn_end,
+            cache_salt=self.cache_salt,
+        )
+
+    def forget_caches(self) -> None:
+        """Empty every cache (after the caches were lost: a preempted request that failed); the
+        tokens stay, and the next turn prefills them again."""
+        self.state = self.method.new_state()
+        self.state.salt = self.cache_salt
+        self.authors.clear()
 
     def cache_bytes(self) -> dict:
         """Bytes per cache: ``{"base", "lr": {agent: n}, "full": {agent: n}, "turn", "total", "peak"}``."""
@@ -156,28 +184,49 @@ class Session:
         such a request up front with a 400).
 
         Raises:
-            UnknownAdapterError, EmptyRequestError, ContextLengthError, ValueError: bad request;
-            the session is left unchanged.
+            UnknownAdapterError, EmptyRequestError, ContextLengthError, ValueError: bad request
+            (``n > 1``: use :meth:`generate_choices`); the session is left unchanged.
+            CacheCapacityError: the turn could never fit the block pool.
             RequestCancelledError: another thread cancelled the request.
         """
+        if kwargs.get("n", 1) != 1:
+            raise ValueError("generate returns one turn: use generate_choices for n > 1 choices")
         request = self.submit(agent, **kwargs)
         self.engine.wait(request)
         return request.outcome()
 
-    def submit(self, agent: str | None = None, **kwargs) -> Request:
-        """Validate and queue a turn (as :meth:`generate`) without waiting for it; the engine runs it
-        as it steps (:meth:`Engine.wait`, :meth:`Engine.step`)."""
-        return self.engine.submit(Request(self, agent, self.validate(agent, kwargs)))
+    def generate_choices(self, agent: str | None = None, n: int = 2, **kwargs) -> list[Turn]:
+        """``n`` choices of one turn (parallel sampling, vLLM's ``n``): the prompt is prefilled once,
+        then the choices decode in the same steps on forks of its caches; choice ``i > 0`` samples
+        with ``seed + i`` when a ``seed`` is given. The trajectory goes on with choice 0 (the forks
+        are closed). Other keyword arguments and errors as :meth:`generate`."""
+        request = self.submit(agent, n=n, **kwargs)
+        self.engine.wait(request)
+        try:
+            return request.outcomes()
+        finally:
+            for child in request.children:
+                child.session.close()
+
+    def submit(self, agent: str | None = None, params: SamplingParams | None = None, **kwargs) -> Request:
+        """Validate and queue a turn (as :meth:`generate`, ``n`` choices allowed) without waiting for
+        it; the engine runs it as it steps (:meth:`Engine.wait`, :meth:`Engine.step`). ``params``
+        (built once, e.g. by the server) replaces the keyword arguments."""
+        if params is not None and kwargs:
+            raise ValueError(f"pass params or sampling keyword arguments, not both (got {sorted(kwargs)})")
+        return self.engine.submit(Request(self, agent, self.validate(agent, params or kwargs)))
 
     def stream(self, agent: str | None = None, **kwargs) -> Iterator[StreamChunk]:
         """Like :meth:`generate`, yielding each token as it is sampled with the text it makes safe to
-        send (:class:`~precache.engine.request.StreamChunk`: never a partial character nor the start
+        send (:class:`~precache.engine.outputs.StreamChunk`: never a partial character nor the start
         of a stop string; the chunks' texts concatenate to the turn's text); the turn lands in
         ``last_turn``.
 
         Validation happens on the call, and the request joins the batch at once; leaving the
         iterator early cancels the turn (its tokens so far stay in the trajectory).
         """
+        if kwargs.get("n", 1) != 1:
+            raise ValueError("stream yields one turn: use submit(n=...) and each request's chunks")
         return self._chunks(self.submit(agent, **kwargs))
 
     def teacher_force(self, agent: str | None, token_ids: list[int]) -> Turn:
@@ -196,8 +245,9 @@ class Session:
         self.engine.wait(request)
         return request.outcome()
 
-    def validate(self, agent: str | None, kwargs: dict) -> SamplingParams:
-        """Check a turn request against this session; return its :class:`SamplingParams`.
+    def validate(self, agent: str | None, kwargs: dict | SamplingParams) -> SamplingParams:
+        """Check a turn request against this session (the one place a library call is checked);
+        return its :class:`SamplingParams` (``kwargs``: its fields, or the parameters themselves).
 
         Raises:
             UnknownAdapterError, EmptyRequestError, ContextLengthError, ValueError: bad request.
@@ -205,15 +255,7 @@ class Session:
         if agent is not None and agent not in self.engine.adapters:
             loaded = ", ".join(self.engine.adapters) or "none"
             raise UnknownAdapterError(f"adapter '{agent}' is not loaded (loaded: {loaded})")
-        kwargs = dict(kwargs)
-        if "stop" in kwargs:
-            stop = kwargs["stop"]
-            kwargs["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if "stop_token_ids" in kwargs:
-            kwargs["stop_token_ids"] = tuple(int(t) for t in kwargs["stop_token_ids"] or ())
-        if isinstance(kwargs.get("logit_bias"), dict):
-            kwargs["logit_bias"] = tuple((int(t), float(b)) for t, b in kwargs["logit_bias"].items())
-        params = SamplingParams(**kwargs)
+        params = kwargs if isinstance(kwargs, SamplingParams) else self._params(kwargs)
         vocab = self.engine.model.config.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
             bad = [t if isinstance(t, int) else t[0] for t in ids]
@@ -222,6 +264,20 @@ class Session:
                 raise ValueError(f"{name}: token ids must be in [0, {vocab}), got {bad[:5]}")
         self.check_room()
         return params
+
+    @staticmethod
+    def _params(kwargs: dict) -> SamplingParams:
+        """:class:`SamplingParams` from keyword arguments (``stop`` as a string or a list,
+        ``logit_bias`` as a dict)."""
+        kwargs = dict(kwargs)
+        if "stop" in kwargs:
+            stop = kwargs["stop"]
+            kwargs["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if "stop_token_ids" in kwargs:
+            kwargs["stop_token_ids"] = tuple(int(t) for t in kwargs["stop_token_ids"] or ())
+        if isinstance(kwargs.get("logit_bias"), dict):
+            kwargs["logit_bias"] = tuple((int(t), float(b)) for t, b in kwargs["logit_bias"].items())
+        return SamplingParams(**kwargs)
 
     def check_room(self, forced: int = 0) -> None:
         """The trajectory holds a prompt and room for one more token (or ``forced`` more).
@@ -250,6 +306,17 @@ class Session:
                 self.engine.cancel(request)
                 self.engine.wait(request)
         request.outcome()
+
+    def _resident(self) -> None:
+        """Swap the caches back in if the engine swapped this idle session out (between two of its
+        steps, so no forward sees the pool change).
+
+        Raises:
+            OutOfBlocksError: the pool cannot hold them now.
+        """
+        if self.swapped is not None:
+            self.engine.scheduler.exclusive(lambda: self.swapped and swap_in(self.method.pool, self.swapped))
+            self.swapped = None
 
     def _check_idle(self, what: str) -> None:
         if self.active is not None:

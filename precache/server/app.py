@@ -4,7 +4,7 @@
 The ``model`` field chooses the adapter: the base model's name runs without one, an adapter's
 name runs that agent. Handlers validate and tokenise off the event loop (a thread pool: /health
 answers while a large request is checked), queue a :class:`~precache.server.jobs.Job` on the server
-loop (:class:`~precache.server.scheduler.Scheduler`, which steps the engine) and relay its events.
+loop (:class:`~precache.server.loop.ServerLoop`, which steps the engine) and relay its events.
 In front of the routes, :class:`~precache.server.guard.Guard` checks the API key and the body size;
 each request runs for its tenant (:mod:`precache.server.tenants`).
 """
@@ -20,12 +20,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from precache.engine.request import Turn
+from precache.engine.outputs import StreamChunk, Turn
 from precache.server.codec import Codec
 from precache.server.config import ServerConfig
 from precache.server.errors import APIError, error_body, install_error_handlers
 from precache.server.guard import KEY_SCOPE, Guard
-from precache.server.jobs import ChoiceEnd, Delta, ErrorEvent, Job
+from precache.server.jobs import ErrorEvent, Job
+from precache.server.loop import ServerLoop
 from precache.server.metrics import ServerMetrics
 from precache.server.prompts import chat_prompt, completion_prompt, echo_text
 from precache.server.protocol import (
@@ -40,15 +41,14 @@ from precache.server.protocol import (
     sampling_params,
 )
 from precache.server.responses import Renderer, sse
-from precache.server.scheduler import Scheduler
 from precache.server.tenants import Tenants
 
 logger = logging.getLogger(__name__)
 
 
 def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
-    """The API over ``engine`` (an :class:`~precache.engine.engine.Engine`). The scheduler thread
-    starts and stops with the app's lifespan; it is ``app.state.scheduler``.
+    """The API over ``engine`` (an :class:`~precache.engine.engine.Engine`). The server loop's thread
+    starts and stops with the app's lifespan; it is ``app.state.loop``.
 
     Raises:
         ValueError: an adapter is named like the base model.
@@ -57,7 +57,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     if config.model_name in engine.adapters:
         raise ValueError(f"the base model name '{config.model_name}' is also an adapter name")
     codec, metrics = Codec(engine, config.trust_client_special_tokens), ServerMetrics()
-    scheduler = Scheduler(engine, config, metrics)
+    scheduler = ServerLoop(engine, config, metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -68,7 +68,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
             scheduler.stop()
 
     app = FastAPI(title="precache", lifespan=lifespan)
-    app.state.scheduler, app.state.engine, app.state.config = scheduler, engine, config
+    app.state.loop, app.state.engine, app.state.config = scheduler, engine, config
     install_error_handlers(app)
     app.add_middleware(
         Guard, tenants=Tenants(config.api_keys), max_body_bytes=config.max_request_bytes, metrics=metrics
@@ -83,7 +83,7 @@ def _add_routes(app: FastAPI, api: _Api, metrics: ServerMetrics) -> None:
     @app.get("/health")
     async def health():
         if not scheduler.alive:
-            return JSONResponse(error_body(503, "the scheduler is not running"), status_code=503)
+            return JSONResponse(error_body(503, "the server loop is not running"), status_code=503)
         return {"status": "ok", "method": engine.method_name}
 
     @app.get("/metrics")
@@ -119,7 +119,7 @@ class _Api:
     """What the routes share: model lookup, queuing, and relaying the scheduler's events."""
 
     def __init__(
-        self, engine, config: ServerConfig, codec: Codec, scheduler: Scheduler, metrics: ServerMetrics
+        self, engine, config: ServerConfig, codec: Codec, scheduler: ServerLoop, metrics: ServerMetrics
     ):
         self.engine, self.config, self.codec, self.scheduler = engine, config, codec, scheduler
         self.metrics = metrics
@@ -161,9 +161,7 @@ class _Api:
         check_room(body, len(ids), params.max_new_tokens, self.engine.max_context)
         check_token_ids(params, self.engine.model.config.vocab_size)
         tenant = Tenants.tenant(key, body.cache_salt)
-        job = Job(
-            agent, ids, params, body.model, body.session_id, n=body.n, tenant=tenant, stream=bool(body.stream)
-        )
+        job = Job(agent, ids, params, body.model, body.session_id, tenant=tenant, stream=bool(body.stream))
         renderer = Renderer(
             kind,
             body.model,
@@ -198,18 +196,17 @@ class _Api:
             for first in renderer.first_chunks(job.n):
                 yield sse(first)
             async for event in job.events():
-                if isinstance(event, Delta):
-                    chunk = event.chunk
-                    if chunk.logprob is not None:
-                        pending[event.index].append(chunk.logprob)
-                    if chunk.text:
+                if isinstance(event, StreamChunk):
+                    if event.logprob is not None:
+                        pending[event.index].append(event.logprob)
+                    if event.text:
                         entries = pending[event.index] if wants_logprobs else None
-                        yield sse(renderer.chunk(event.index, chunk.text, entries))
+                        yield sse(renderer.chunk(event.index, event.text, entries))
                         pending[event.index] = []
-                elif isinstance(event, ChoiceEnd):
-                    turns[event.index] = event.turn
+                elif isinstance(event, Turn):
+                    turns[event.index] = event
                     entries = pending[event.index] if wants_logprobs else None
-                    yield sse(renderer.last_chunk(event.index, event.turn, entries))
+                    yield sse(renderer.last_chunk(event.index, event, entries))
                 else:
                     over = True
                     self.metrics.error(event.status, event.code)
@@ -232,8 +229,8 @@ class _Api:
             async for event in job.events():
                 if isinstance(event, ErrorEvent):
                     return event
-                if isinstance(event, ChoiceEnd):
-                    turns[event.index] = event.turn
+                if isinstance(event, Turn):
+                    turns[event.index] = event
             return [turns[i] for i in range(job.n)]
 
         result, left = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(request))

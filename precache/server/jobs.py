@@ -1,10 +1,11 @@
-"""An HTTP generation request as the server loop sees it, and the events it sends back to the handler.
+"""An HTTP generation request as the server loop sees it (the API's record of a request), and
+what the loop sends back to its handler.
 
-The server loop (:mod:`precache.server.scheduler`) calls :meth:`Job.emit`; the handler awaits
+The server loop (:mod:`precache.server.loop`) calls :meth:`Job.emit`; the handler awaits
 :meth:`Job.events` on the event loop. The hand-over is ``loop.call_soon_threadsafe`` into an
-``asyncio.Queue``. Events: each sampled token of choice ``index`` (:class:`Delta`), each choice's
-finished :class:`~precache.engine.request.Turn` (:class:`ChoiceEnd`), or an :class:`ErrorEvent`
-that ends the job.
+``asyncio.Queue``. Events are the engine's outputs as they are: each sampled token of choice
+``index`` (:class:`~precache.engine.outputs.StreamChunk`), each choice's finished
+:class:`~precache.engine.outputs.Turn`, or an :class:`ErrorEvent` that ends the job.
 """
 
 from __future__ import annotations
@@ -15,9 +16,14 @@ import itertools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from precache.config import SamplingParams
-from precache.engine.request import StreamChunk, Turn
+from precache.engine.outputs import StreamChunk, Turn
+
+if TYPE_CHECKING:
+    from precache.engine.request import Request
+    from precache.server.sessions import PooledSession
 
 _ids = itertools.count()
 
@@ -31,23 +37,7 @@ class ErrorEvent:
     code: str | None = None
 
 
-@dataclass(frozen=True)
-class Delta:
-    """A token of choice ``index`` and the text it makes safe to send."""
-
-    index: int
-    chunk: StreamChunk
-
-
-@dataclass(frozen=True)
-class ChoiceEnd:
-    """Choice ``index`` is over: its turn."""
-
-    index: int
-    turn: Turn
-
-
-Event = Delta | ChoiceEnd | ErrorEvent
+Event = StreamChunk | Turn | ErrorEvent
 
 
 def finish_reason(turn: Turn) -> str:
@@ -58,13 +48,14 @@ def finish_reason(turn: Turn) -> str:
 
 @dataclass
 class Job:
-    """One request: ``agent`` (adapter name, None: base model) continues ``prompt_ids``.
+    """One request: ``agent`` (adapter name, None: base model) continues ``prompt_ids`` with
+    ``params`` (``params.n`` choices, sampled alongside by the engine).
 
     ``model`` is the name the client asked for (metrics label); ``arrival`` a ``perf_counter``
-    time in seconds; ``session_id`` pins a trajectory; ``n`` choices (choice 0 runs on the
-    conversation's session, the others on forks of its prompt); ``tenant``: whose cache it may reuse
+    time in seconds; ``session_id`` pins a trajectory; ``tenant``: whose cache it may reuse
     (:mod:`precache.server.tenants`; None: the default tenant); ``stream``: tokens go to the client
-    as they come (a job that streamed nothing yet may be started again).
+    as they come. The loop fills ``entry`` (the claimed session), ``request`` (the engine's
+    request), ``first_token_s`` and ``reported`` (choices whose turn went out).
     """
 
     agent: str | None
@@ -72,14 +63,22 @@ class Job:
     params: SamplingParams
     model: str = ""
     session_id: str | None = None
-    n: int = 1
     tenant: str | None = None
     stream: bool = False
-    dropped: bool = False  # cancelled or failed (set on the server loop): no more choices start
+    dropped: bool = False  # cancelled or failed (set on the server loop): nothing more goes out
+    entry: PooledSession | None = field(default=None, repr=False)
+    request: Request | None = field(default=None, repr=False)
+    first_token_s: float | None = None
+    reported: set[int] = field(default_factory=set)
     id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.perf_counter)
     loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
     queue: asyncio.Queue | None = field(default=None, repr=False)
+
+    @property
+    def n(self) -> int:
+        """Choices asked for."""
+        return self.params.n
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> Job:
         """Deliver events to ``loop`` (call on that loop before submitting)."""
@@ -94,11 +93,11 @@ class Job:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
     async def events(self) -> AsyncIterator[Event]:
-        """Events until (and with) the last choice's :class:`ChoiceEnd` or an :class:`ErrorEvent`."""
+        """Events until (and with) the last choice's :class:`Turn` or an :class:`ErrorEvent`."""
         left = self.n
         while left:
             event = await self.queue.get()
             yield event
             if isinstance(event, ErrorEvent):
                 return
-            left -= isinstance(event, ChoiceEnd)
+            left -= isinstance(event, Turn)

@@ -257,6 +257,7 @@ def sampling_params(req: _GenerationRequest, default_max_tokens: int) -> Samplin
             raise _refuse("logit_bias", f"keys must be token ids, got {key!r}", "invalid_value") from None
     fields = {
         "max_new_tokens": max_tokens,
+        "n": req.n,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
         "top_k": req.top_k or 0,

@@ -1,5 +1,6 @@
 """The server's sessions: lookup by token prefix across adapters, one request per session at a
-time, forks of a shared prefix, and LRU eviction under a byte budget.
+time, forks of a shared prefix; idle sessions are dropped least recently used first when the
+engine's block pool (the one memory budget) needs their blocks.
 
 Used from the scheduler thread only (no locks): sessions and their caches are never touched by
 two threads.
@@ -30,26 +31,13 @@ class PooledSession:
     tenant: str | None = None
     anchor: int = 0
     busy: bool = False
-    idle_bytes: int = 0  # cache bytes when last released (an idle session's caches do not change)
+    how: str = "new"  # how the latest claim found it: "pinned", "reuse", "fork" or "new"
+    common: int = 0  # prompt tokens it already held at the latest claim
 
     @property
     def key(self) -> tuple[str | None, str]:
         """The pool's key: ``(tenant, session id)``."""
         return self.tenant, self.sid
-
-    def nbytes(self) -> int:
-        """Bytes held by the session's caches now."""
-        return self.session.cache_bytes()["total"] if self.busy else self.idle_bytes
-
-
-@dataclass(frozen=True)
-class Claim:
-    """What :meth:`SessionPool.acquire` handed out: ``how`` is ``"pinned"``, ``"reuse"``, ``"fork"``
-    or ``"new"``; ``common`` the prompt tokens the session already held (before its caches count)."""
-
-    entry: PooledSession
-    how: str
-    common: int
 
 
 class SessionPool:
@@ -70,12 +58,12 @@ class SessionPool:
     3. otherwise a new, empty session: unrelated conversations share nothing.
 
     The taken session is synced to the prompt (:meth:`Session.sync` cuts every cache back to the
-    common prefix). ``max_bytes`` bounds the sum of ``cache_bytes()["total"]`` over sessions;
-    :meth:`evict` drops idle sessions, least recently used first.
+    common prefix). Memory: the engine's block pool is the only budget; when it needs blocks, it
+    calls :meth:`reclaim`, which drops idle sessions least recently used first.
     """
 
-    def __init__(self, engine, max_bytes: int | None = None, min_fork_tokens: int = 32):
-        self.engine, self.max_bytes, self.min_fork_tokens = engine, max_bytes, min_fork_tokens
+    def __init__(self, engine, min_fork_tokens: int = 32):
+        self.engine, self.min_fork_tokens = engine, min_fork_tokens
         self.entries: OrderedDict[tuple, PooledSession] = OrderedDict()  # least recently used first
         self.tries: dict[str | None, TokenTrie] = {}
 
@@ -84,7 +72,7 @@ class SessionPool:
 
     def acquire(
         self, prompt_ids: list[int], session_id: str | None = None, tenant: str | None = None
-    ) -> Claim | None:
+    ) -> PooledSession | None:
         """Claim a session of ``tenant`` for ``prompt_ids`` and sync it to them; None: wait, the
         session is busy."""
         if session_id is not None:
@@ -112,7 +100,6 @@ class SessionPool:
     def release(self, entry: PooledSession) -> None:
         """The request on ``entry`` is over: index its whole trajectory and make it reusable."""
         entry.busy = False
-        entry.idle_bytes = entry.session.cache_bytes()["total"]
         if entry.key in self.entries:
             self.trie(entry.tenant).set(entry.sid, entry.session.token_ids)
             self.entries.move_to_end(entry.key)
@@ -147,46 +134,28 @@ class SessionPool:
         self.engine.pool.allocator.check(dict(holders))
         return len(self.entries)
 
-    def total_bytes(self) -> int:
-        """Bytes held by every session's caches."""
-        return sum(e.nbytes() for e in self.entries.values())
-
-    def evict(self) -> int:
-        """Drop idle sessions, least recently used first, until the budget holds; return how many."""
-        if self.max_bytes is None:
-            return 0
-        sizes = {key: e.nbytes() for key, e in self.entries.items()}
-        total, dropped = sum(sizes.values()), 0
-        for key in [key for key, e in self.entries.items() if not e.busy]:
-            if total <= self.max_bytes:
+    def reclaim(self, blocks: int) -> int:
+        """Drop idle sessions, least recently used first, until the engine's pool has handed back
+        ``blocks`` blocks or none is left; return the blocks freed (their published blocks stay
+        cached for prefix reuse, and count as available)."""
+        alloc = self.engine.pool.allocator
+        before = alloc.num_available
+        for entry in [e for e in self.entries.values() if not e.busy and e.session.active is None]:
+            if alloc.num_available - before >= blocks:
                 break
-            self.discard(self.entries[key])
-            total -= sizes[key]
-            dropped += 1
-        if dropped:
-            logger.debug("evicted %d idle sessions; %d cache bytes held", dropped, total)
-        return dropped
-
-    def drop_idle(self) -> bool:
-        """Drop the least recently used idle session (its cache blocks go back to the engine's pool);
-        False when every session is busy."""
-        for entry in self.entries.values():
-            if not entry.busy:
-                self.discard(entry)
-                logger.debug("dropped idle session %s to free cache blocks", entry.sid)
-                return True
-        return False
+            self.discard(entry)
+            logger.debug("dropped idle session %s to free cache blocks", entry.sid)
+        return alloc.num_available - before
 
     def _add(self, session: Session) -> PooledSession:
         entry = PooledSession(session.id, session, session.cache_salt)
         self.entries[entry.key] = entry
         return entry
 
-    def _claim(self, entry: PooledSession, prompt_ids: list[int], how: str) -> Claim:
+    def _claim(self, entry: PooledSession, prompt_ids: list[int], how: str) -> PooledSession:
         try:
             common = entry.session.sync(prompt_ids)
         except Exception:
-            entry.idle_bytes = entry.session.cache_bytes()["total"]  # sync may have cut before failing
             if not entry.session.token_ids:
                 self.discard(entry)
             raise
@@ -194,4 +163,5 @@ class SessionPool:
         self.entries.move_to_end(entry.key)
         entry.anchor = len(prompt_ids)
         self.trie(entry.tenant).set(entry.sid, prompt_ids)
-        return Claim(entry, how, common)
+        entry.how, entry.common = how, common
+        return entry

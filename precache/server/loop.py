@@ -1,0 +1,236 @@
+"""The server loop: one background thread that moves jobs in and events out. It claims each job's
+session, submits one engine request (whose ``n`` choices the engine samples alongside), calls
+:meth:`Engine.step` and relays each choice's tokens and final turn to the job's handler. It has
+no scheduling policy of its own: admission, chunked prefill, preemption and parallel sampling are
+the engine's (:mod:`precache.engine.scheduler`); when the engine needs blocks, it asks this loop's
+session pool to drop idle conversations first (:meth:`SessionPool.reclaim`).
+
+Typed errors below the server become HTTP status codes here (:func:`error_status`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from precache.engine.request import RequestState
+from precache.engine.scheduler import SchedulerConfig
+from precache.errors import CacheCapacityError, OutOfBlocksError, PrecacheError, RequestCancelledError
+from precache.server.config import ServerConfig
+from precache.server.errors import APIError
+from precache.server.jobs import ErrorEvent, Job, finish_reason
+from precache.server.metrics import ServerMetrics
+from precache.server.sessions import SessionPool
+
+logger = logging.getLogger(__name__)
+
+
+def error_status(exc: BaseException) -> tuple[int, str, str]:
+    """``(HTTP status, message, code)`` of an error below ``server/``: bad input is 400, a pool
+    that cannot hold the request now 503, anything else (a bug) 500."""
+    if isinstance(exc, OutOfBlocksError | RequestCancelledError):
+        return 503, str(exc), "unavailable"
+    if isinstance(exc, CacheCapacityError):
+        return 400, str(exc), "cache_capacity"
+    if isinstance(exc, PrecacheError):
+        return 400, str(exc), "invalid_request"
+    return 500, f"internal error: {type(exc).__name__}", "internal_error"
+
+
+class ServerLoop:
+    """The only thread that steps the engine (whose batching limits it sets from
+    ``config.max_running`` and ``config.max_step_tokens``) and touches the sessions.
+
+    Handlers talk to it through a thread-safe inbox: :meth:`submit`, :meth:`cancel` and
+    :meth:`call` (run a function on the session pool between steps, e.g. integrity checks).
+    """
+
+    def __init__(self, engine, config: ServerConfig, metrics: ServerMetrics):
+        self.engine, self.config, self.metrics = engine, config, metrics
+        engine.scheduler.config = SchedulerConfig(config.max_running, config.max_step_tokens)
+        self.pool = SessionPool(engine, config.min_fork_tokens)
+        engine.scheduler.reclaim = self.pool.reclaim
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: list[Job] = []  # waiting for their conversation's session
+        self._jobs: list[Job] = []  # with an engine request, until it and its choices are over
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- the handlers' side (any thread) -----------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="precache-server-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Fail what is left with 503 and end the thread."""
+        self._stopping.set()
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def load(self) -> tuple[int, int]:
+        """``(active, pending)`` jobs: with an engine request (post-turn passes included), or waiting
+        for their session (exact when called through :meth:`call`)."""
+        return len(self._jobs), len(self._pending)
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` (bound to an event loop). Raises APIError 503 when the loop is down."""
+        if not self.alive:
+            raise APIError(503, "the server loop is not running", code="unavailable")
+        self._inbox.put(("submit", job))
+
+    def cancel(self, job_id: int) -> None:
+        """Drop a job (client gone): its turn and choices close at the next step."""
+        self._inbox.put(("cancel", job_id))
+
+    def call(self, fn: Callable[[SessionPool], object]) -> Future:
+        """Run ``fn(pool)`` on the loop thread between two steps; its result lands in the future."""
+        future: Future = Future()
+        self._inbox.put(("call", (fn, future)))
+        return future
+
+    # -- the loop thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._admit()
+                if self.engine.scheduler.has_work:
+                    batch = self.engine.step()
+                    if batch.requests:
+                        self.metrics.batch_requests.observe(len(batch.requests))
+                self._relay()
+                self._drain(block=not self._jobs and not self._pending)
+            except Exception:  # a bug must not kill the server: fail what runs, keep serving
+                logger.exception("server loop step failed")
+                for job in list(self._jobs):
+                    self._abandon(job, 500, "internal error in the server loop", "internal_error")
+        for job in [*self._pending, *self._jobs]:
+            job.emit(ErrorEvent(503, "the server is shutting down", "unavailable"))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while msg is not None:
+            kind, arg = msg
+            if kind == "submit":
+                self._pending.append(arg)
+            elif kind == "cancel":
+                self._cancel(arg)
+            else:
+                fn, future = arg
+                try:
+                    future.set_result(fn(self.pool))
+                except Exception as exc:
+                    future.set_exception(exc)
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _cancel(self, job_id: int) -> None:
+        self._pending = [j for j in self._pending if j.id != job_id]
+        for job in self._jobs:
+            if job.id == job_id and not job.dropped:
+                job.dropped = True
+                self.engine.cancel(job.request)
+                self.metrics.requests.labels("cancelled").inc()
+
+    def _admit(self) -> None:
+        """Claim each pending job's session and submit its request to the engine (a job whose
+        conversation's session is busy waits for it)."""
+        pending: list[Job] = []
+        for job in self._pending:
+            try:
+                entry = self.pool.acquire(job.prompt_ids, job.session_id, job.tenant)
+                if entry is None:
+                    pending.append(job)
+                    continue
+                job.entry = entry
+                job.request = entry.session.submit(job.agent, params=job.params)
+            except PrecacheError as exc:
+                if job.entry is not None:
+                    self.pool.release(job.entry)
+                job.emit(ErrorEvent(*error_status(exc)))
+                continue
+            self._jobs.append(job)
+        self._pending = pending
+        self.metrics.waiting.set(len(pending) + len(self.engine.scheduler.waiting))
+
+    def _relay(self) -> None:
+        """Send each choice's new tokens and, once its turn closed, the turn; end the jobs whose
+        request and choices are over."""
+        for job in list(self._jobs):
+            for request in (job.request, *job.request.children):
+                self._relay_choice(job, request)
+            if job.request.all_finished:
+                self._end(job)
+        self.metrics.running.set(len(self.engine.scheduler.running))
+        self.metrics.cache_bytes.set(self.engine.cache_usage()["allocated"])
+        self.metrics.pool_usage(self.engine.cache_usage())
+        self.metrics.sessions.set(len(self.pool))
+
+    def _relay_choice(self, job: Job, request) -> None:
+        while request.chunks:
+            chunk = request.chunks.popleft()
+            if job.dropped:
+                continue
+            if job.first_token_s is None:
+                job.first_token_s = time.perf_counter()
+                self.metrics.ttft.labels(job.model).observe(job.first_token_s - job.arrival)
+            job.emit(chunk)
+        if request.state is RequestState.FAILED:
+            self._send_error(job, *error_status(request.error))
+        elif request.closed and request.index not in job.reported:
+            job.reported.add(request.index)
+            turn = request.result if request.result is not None else request.record()
+            if job.dropped:
+                return
+            if request.index == 0:  # the request once (its prompt, its latency)
+                self.metrics.finished(
+                    job.model,
+                    time.perf_counter() - job.arrival,
+                    turn.prompt_tokens,
+                    turn.cached_tokens,
+                    turn.new_tokens,
+                    finish_reason(turn),
+                )
+            else:
+                self.metrics.generation_tokens.inc(turn.new_tokens)
+            job.emit(turn)
+
+    def _end(self, job: Job) -> None:
+        """The job's request and choices are over: close the choices' forks, release the session
+        (or drop it when a failed forward may have half-written its caches)."""
+        self._jobs.remove(job)
+        for child in job.request.children:
+            child.session.close()
+        if job.request.state is RequestState.FAILED and job.request.phase is not None:
+            self.pool.discard(job.entry)
+        else:
+            self.pool.release(job.entry)
+
+    def _send_error(self, job: Job, status: int, message: str, code: str) -> None:
+        """End ``job`` with an error: one event to the client, its other choices cancelled."""
+        if job.dropped:
+            return
+        job.dropped = True
+        job.emit(ErrorEvent(status, message, code))
+        self.metrics.requests.labels("error").inc()
+        self.engine.cancel(job.request)
+
+    def _abandon(self, job: Job, status: int, message: str, code: str) -> None:
+        """After a bug in the loop: tell the client, stop the request, drop its session."""
+        self._send_error(job, status, message, code)
+        self._jobs.remove(job)
+        self.engine.cancel(job.request)
+        self.pool.discard(job.entry)
