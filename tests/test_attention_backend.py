@@ -14,9 +14,11 @@ import random
 import pytest
 import torch
 
-from precache.cache.attention import BatchMetadata, RowAttention, get_backend
+from precache.cache.attention import BatchMetadata, RowAttention, TorchBackend, get_backend
+from precache.cache.attention.triton_metadata import _adapter_stacks
+from precache.cache.plan import run_plans
 from precache.cache.pool import KVPool, LRView, PagedStore
-from precache.cache.rowplan import View
+from precache.cache.rowplan import FullWrite, Recompute, RowPlan, View
 from precache.cache.views import view_reads
 from precache.lora.adapter import LoRAAdapter
 from tests.tiny import tiny_model
@@ -104,8 +106,10 @@ def test_torch_backend_equals_materialised_attention_on_random_rows(seed, window
         start += T
     q = torch.randn(start, c.num_heads, c.head_dim, generator=g)
     meta = BatchMetadata(tuple(rows), start)
+    backend = get_backend("torch")
+    backend.prepare(meta, model)
     for layer in range(c.num_layers):
-        out = get_backend("torch").forward(q, layer, meta, model)
+        out = backend.forward(q, layer, meta, model)
         for row, (q_start, views) in zip(rows, reference_rows, strict=True):
             want = _reference(model, q[row.q_rows], q_start, views, layer, row.window_at(layer))
             assert torch.allclose(out[row.q_rows], want, atol=1e-4), (seed, layer, row)
@@ -114,3 +118,69 @@ def test_torch_backend_equals_materialised_attention_on_random_rows(seed, window
 def test_unknown_backend_names_the_ones_there_are():
     with pytest.raises(ValueError, match="unknown attention backend 'flash'.*torch"):
         get_backend("flash")
+
+
+class _Spy(TorchBackend):
+    """The torch reference, recording what it prepared and which metadata each layer read."""
+
+    def __init__(self):
+        self.prepared, self.layers = [], []
+
+    def prepare(self, meta, model):
+        meta.prepared = len(self.prepared)
+        self.prepared.append(meta.num_tokens)
+
+    def forward(self, q, layer, meta, model):
+        self.layers.append((layer, meta.prepared, meta.num_tokens))
+        return super().forward(q, layer, meta, model)
+
+
+def test_run_plans_prepares_the_metadata_once_and_every_layer_reads_it():
+    """One prepare per metadata: at the start of the forward and after a recompute row narrows
+    the batch (not after the last layer, which no layer reads); every layer reads the metadata of
+    the batch it runs, and the logits equal the plain torch reference's."""
+    model, _ = tiny_model(num_layers=3)
+    c = model.config
+    logits = []
+    for backend in (_Spy(), TorchBackend()):
+        pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, {}, 1 << 22, 4)
+        store = PagedStore(pool)
+        run_plans(model, [RowPlan(list(range(3, 13)), 0, None, [FullWrite(store)], [View(store, 0, 10)])])
+        keep_two = Recompute(
+            c.num_layers, select_layer=0, select=lambda x, rows, pos: torch.tensor([1, 4]), kept=2
+        )
+        recompute = RowPlan(
+            list(range(3, 13)), 0, None, [FullWrite(store)], [View(store, 0, 10)], False, keep_two
+        )
+        decode = RowPlan([13], 10, None, [FullWrite(store)], [View(store, 0, 11)])
+        logits.append(run_plans(model, [recompute, decode], backend)[1])
+        if isinstance(backend, _Spy):
+            spy = backend
+    assert spy.prepared == [11, 3]  # 1 decode token + 10 recomputed, then 1 + the 2 kept
+    assert spy.layers == [(0, 0, 11), (1, 1, 3), (2, 1, 3)]
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_adapter_stacks_put_each_layers_scaled_b_at_its_layer():
+    """Layers without a LoRA on the projection stay zero, wherever the adapter's layers sit
+    (contiguous or not); ``rot`` is RoPE's rotate-half of ``s B^k`` on each head's columns."""
+    model, _ = tiny_model(num_layers=4)
+    c = model.config
+    g = torch.Generator().manual_seed(0)
+    adapters = [_adapter("a", model, 3, ["k_proj", "v_proj"], g), _adapter("b", model, 2, ["v_proj"], g)]
+    for layer in (1, 2):  # "a": k_proj at layers 0 and 3 only, v_proj at 0, 3 and 1
+        del adapters[0].weights[(layer, "k_proj")]
+    del adapters[0].weights[(2, "v_proj")]
+    bk, bkrot, bv = _adapter_stacks(adapters, model, 16)
+    assert bk.shape == (c.num_layers, 2, c.num_kv_heads, 16, c.head_dim)
+    half = c.head_dim // 2
+    for i, adapter in enumerate(adapters):
+        for layer in range(c.num_layers):
+            for proj, stack in (("k_proj", bk), ("v_proj", bv)):
+                want = torch.zeros(c.num_kv_heads, 16, c.head_dim)
+                if adapter.has(layer, proj):
+                    b = adapter.weights[(layer, proj)][1] * adapter.scaling  # [r, Hkv * D]
+                    want[:, : b.shape[0]] = b.view(b.shape[0], c.num_kv_heads, c.head_dim).transpose(0, 1)
+                assert torch.equal(stack[layer, i], want), (adapter.name, layer, proj)
+            k = bk[layer, i]
+            assert torch.equal(bkrot[layer, i], torch.cat((-k[..., half:], k[..., :half]), dim=-1))

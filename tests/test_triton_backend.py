@@ -144,6 +144,7 @@ def test_triton_equals_torch_backend_on_random_rows(head_dim, group, seed):
     q, meta, _ = _random_batch(model, seed)
     splits = 1 + seed % 3  # one launch, or flash-decoding splits merged afterwards
     triton = TritonBackend(num_splits=splits, block_n=16)
+    triton.prepare(meta, model)  # once: every layer reads the same slot tables
     for layer in range(model.config.num_layers):
         want = get_backend("torch").forward(q, layer, meta, model)
         got = triton.forward(q, layer, meta, model)
@@ -159,6 +160,7 @@ def test_triton_sliding_window_equals_torch_backend(window):
     q, meta, _ = _random_batch(model, 2)
     meta = BatchMetadata(tuple(dataclasses.replace(row, window=window) for row in meta.rows), meta.num_tokens)
     triton = TritonBackend(num_splits=2, block_n=16)
+    triton.prepare(meta, model)
     for layer in range(model.config.num_layers):
         want = get_backend("torch").forward(q, layer, meta, model)
         assert torch.allclose(triton.forward(q, layer, meta, model), want, atol=2e-5, rtol=1e-4), layer
@@ -172,7 +174,9 @@ def test_triton_bf16_matches_fp32_reference_within_bf16_tolerance():
     bf16_model = model_from_hf(
         AutoModelForCausalLM.from_config(model.hf_config).to(torch.bfloat16)
     )  # bf16 RoPE tables, as on a GPU
-    got = TritonBackend().forward(q, 0, meta, bf16_model).float()
+    triton = TritonBackend()
+    triton.prepare(meta, bf16_model)
+    got = triton.forward(q, 0, meta, bf16_model).float()
     for t in (pool.k, pool.v, pool.lr):  # the same values in fp32
         t.data = t.data.float()
     want = get_backend("torch").forward(q.float(), 0, meta, model)
@@ -195,10 +199,19 @@ def test_a_row_with_two_adapters_falls_back_to_the_torch_reference(caplog):
     reads = tuple(r for v in views for r in view_reads(model, v, split_runs=False))
     meta = BatchMetadata((RowAttention(slice(0, 3), 17, reads),), 3)
     q = torch.randn(3, model.config.num_heads, model.config.head_dim, generator=g)
+    triton = TritonBackend()
     with caplog.at_level(logging.INFO, logger="precache.cache.attention.triton_backend"):
-        got = TritonBackend().forward(q, 0, meta, model)
+        triton.prepare(meta, model)
+    got = triton.forward(q, 0, meta, model)
     assert "a row reads the LR caches of two adapters" in caplog.text
     assert torch.equal(got, get_backend("torch").forward(q, 0, meta, model))
+
+
+def test_triton_forward_needs_the_metadata_prepared():
+    model = _model(16, 1)
+    q, meta, _ = _random_batch(model, 0)
+    with pytest.raises(ValueError, match=r"prepare\(meta, model\) once per forward"):
+        TritonBackend().forward(q, 0, meta, model)
 
 
 @pytest.fixture(scope="module")

@@ -126,6 +126,7 @@ def _case(model, kind: str, n_q: int, n: int, batch: int, rank: int, repeats: in
     meta = _paged_rows(layer_model, pool, [(n_q, n)] * batch, adapter, rnd)
     q = torch.randn(batch * n_q, c.num_heads, c.head_dim, device=device, dtype=dtype)
     kernel = get_backend("triton")
+    kernel.prepare(meta, layer_model)  # once per forward, as in the engine: not timed
     kernel_s = _timed(lambda: kernel.forward(q, 0, meta, layer_model), cuda, repeats)
     error = (
         kernel.forward(q, 0, meta, layer_model) - get_backend("torch").forward(q, 0, meta, layer_model)

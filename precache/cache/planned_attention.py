@@ -58,18 +58,26 @@ class PlannedAttention:
     """The :class:`~precache.models.contract.AttentionBackend` that writes the plans' cache entries
     at each layer, then runs the attention ``backend`` over every row at once.
 
-    Rows with a :class:`Recompute` are narrowed at their layer boundaries (:meth:`narrow`); the
-    write groups and the attention metadata are rebuilt when the batch layout or the set of
-    writing rows changes (a few times per forward at most)."""
+    Rows with a :class:`~precache.cache.rowplan.Recompute` are narrowed at their layer boundaries
+    (:meth:`narrow`); the write groups and the attention metadata (prepared by the backend for
+    every layer, :meth:`~precache.cache.attention.AttentionBackend.prepare`) are rebuilt when the
+    batch layout or the set of writing rows changes (a few times per forward at most)."""
 
     def __init__(self, model, plans: list[RowPlan], backend: AttentionBackend):
         self.model, self.plans, self.backend = model, plans, backend
         self.layouts: list[Layout] = [[(p.pos0, p.end, p.row.start)] for p in plans]
-        self.meta = _metadata(model, plans, self.layouts)
+        self.meta = self._prepared_metadata()
         self.writes: list[_WriteGroup] = []
         self._recompute = [i for i, p in enumerate(plans) if p.recompute is not None]
         self._writing: tuple | None = None
         self._selected: dict[int, torch.Tensor] = {}
+
+    def _prepared_metadata(self) -> BatchMetadata:
+        """The attention metadata of the current layouts, prepared once by the backend for every
+        layer up to the next narrowing."""
+        meta = _metadata(self.model, self.plans, self.layouts)
+        self.backend.prepare(meta, self.model)
+        return meta
 
     def attend(self, x: LayerInput) -> torch.Tensor:
         layer = x.layer
@@ -133,7 +141,8 @@ class PlannedAttention:
                 rows.append(Row(start, start + len(positions), plan.adapter))
             start += len(positions)
         self.layouts, self._writing = layouts, None
-        self.meta = _metadata(self.model, self.plans, layouts)
+        if layer + 1 < self.model.config.num_layers:  # no layer reads the metadata after the last
+            self.meta = self._prepared_metadata()
         index = torch.cat(keep) if keep else torch.empty(0, dtype=torch.long, device=device)
         return Narrowing(index, rows)
 

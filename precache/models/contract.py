@@ -106,6 +106,6 @@ class AttentionBackend(Protocol):
 
     A backend may also define ``narrow(layer) -> Narrowing | None``, called after each layer's
     MLP: the model then carries only the kept tokens through the later layers (the recompute hook
-    of :class:`precache.cache.plan.Recompute`)."""
+    of :class:`precache.cache.rowplan.Recompute`)."""
 
     def attend(self, x: LayerInput) -> torch.Tensor: ...

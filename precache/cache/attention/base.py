@@ -1,11 +1,12 @@
 """The batch-level attention interface: metadata built once per forward, one call per layer.
 
 A forward's rows (sequences of the flattened batch) each read some cache ranges; the method's
-row plans say which (:mod:`precache.cache.plan`). :class:`BatchMetadata` records, for every row,
+row plans say which (:mod:`precache.cache.rowplan`). :class:`BatchMetadata` records, for every row,
 its query rows in the batch, its first position (causal offset) and the ranges it reads, as pool
 rows (a slice per contiguous piece, or an index tensor) plus the LR part the row's adapter adds:
 ``Lk``/``Lv`` columns of the pool's LR rows and the adapter whose ``B^k``/``B^v`` lift them.
-A backend turns that into attention output for one layer at a time; a kernel is one new
+A backend derives what its kernel reads from that once per forward (:meth:`AttentionBackend.prepare`,
+kept on the metadata), then turns it into attention output one layer at a time; a kernel is one new
 :class:`AttentionBackend` subclass registered with :func:`register_backend`, nothing else changes.
 """
 
@@ -65,16 +66,27 @@ class RowAttention:
         return None if self.window is None else self.window[layer]
 
 
-@dataclass(frozen=True)
+@dataclass
 class BatchMetadata:
-    """Everything a backend needs about one forward, built once before the first layer."""
+    """Everything a backend needs about one forward, built once before the first layer.
+
+    ``prepared``: what the backend running the forward derived from ``rows`` for every layer
+    (:meth:`AttentionBackend.prepare`; None until then). Only ``prepare`` sets it.
+    """
 
     rows: tuple[RowAttention, ...]
     num_tokens: int
+    prepared: object | None = field(default=None, repr=False, compare=False)
 
 
 class AttentionBackend(ABC):
     """Attention of every row of a forward at one layer.
+
+    Per forward the caller builds one :class:`BatchMetadata`, calls :meth:`prepare` on it once
+    (again whenever it builds a new one, e.g. after narrowing the batch), then :meth:`forward` at
+    every layer. What a backend derives from the metadata for every layer (slot tables, tiles,
+    stacked adapter weights) it builds in :meth:`prepare` and keeps on ``meta.prepared``, never in
+    the backend: one backend object serves any number of forwards.
 
     :meth:`forward` takes the queries ``q`` ``[N, n_heads, head_dim]`` (after RoPE) and returns
     ``[N, n_heads * head_dim]``; GQA maps query head ``h`` to kv head ``h // (n_heads / n_kv_heads)``
@@ -82,6 +94,11 @@ class AttentionBackend(ABC):
     """
 
     name: ClassVar[str]
+
+    @abstractmethod
+    def prepare(self, meta: BatchMetadata, model: KVProjector) -> None:
+        """Derive what every layer of this forward needs from ``meta`` and store it on
+        ``meta.prepared`` (``model``: config, dtype, device, RoPE tables), once per forward."""
 
     @abstractmethod
     def forward(

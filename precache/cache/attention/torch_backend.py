@@ -34,6 +34,9 @@ class TorchBackend(AttentionBackend):
 
     name = "torch"
 
+    def prepare(self, meta: BatchMetadata, model) -> None:
+        """Nothing to derive: each layer materialises the reads its rows see from ``meta.rows``."""
+
     def forward(self, q: torch.Tensor, layer: int, meta: BatchMetadata, model) -> torch.Tensor:
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         for row in meta.rows:
