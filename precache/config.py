@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 
 @dataclass(frozen=True)
@@ -118,3 +119,30 @@ class SamplingParams:
             or self.frequency_penalty
             or self.presence_penalty
         )
+
+
+class SamplingOptions(TypedDict, total=False):
+    """:class:`SamplingParams` as keyword arguments (``Session.generate(agent, **options)``), named
+    so that editors and type checkers see them; ``stop`` may also be one string, ``stop_token_ids``
+    any iterable of ids and ``logit_bias`` a ``{token id: bias}`` dict. The same fields as
+    :class:`SamplingParams` (a test holds them equal)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop: str | list[str] | tuple[str, ...]
+    seed: int | None
+    ignore_eos: bool
+    min_p: float
+    min_tokens: int
+    stop_token_ids: list[int] | tuple[int, ...]
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...]
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    logprobs: int | None
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+    n: int

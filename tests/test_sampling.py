@@ -187,3 +187,11 @@ def test_logprobs_equal_hf_raw_logits(pair):
         values, ids = torch.topk(ref, 5)
         assert [i for i, _ in entry.top] == ids.tolist()
         assert max(abs(v - w) for (_, v), w in zip(entry.top, values.tolist(), strict=True)) < 1e-4
+
+
+def test_the_keyword_options_name_every_sampling_field():
+    from dataclasses import fields
+
+    from precache.config import SamplingOptions, SamplingParams
+
+    assert set(SamplingOptions.__annotations__) == {f.name for f in fields(SamplingParams)}

@@ -16,8 +16,7 @@ import openai
 import pytest
 
 import precache
-from precache.cache.prefix import PrefixChain
-from precache.engine.session import common_prefix
+from precache.cache.prefix import PrefixChain, common_prefix
 from precache.methods import METHODS
 from tests.test_server_support import BASE, check_all_sessions, live, tiny_engine, tiny_with_tokenizer
 

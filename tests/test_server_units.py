@@ -5,33 +5,59 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from precache.cache.plan import run_plans
+from precache.cache.prefix import TrajectoryIndex, common_prefix
 from precache.config import SamplingParams
 from precache.engine.request import Phase, Request
 from precache.server.errors import APIError
-from precache.server.prefix import TokenTrie
 from precache.server.protocol import CompletionRequest, sampling_params
 from precache.server.sessions import SessionPool
 from tests.tiny import make_engine
 
 
-def test_trie_matches_longest_prefix_first_and_updates_paths():
-    trie = TokenTrie()
-    trie.set("a", [1, 2, 3, 4])
-    trie.set("b", [1, 2, 9])
-    trie.set("c", [7, 8])
-    assert trie.match([1, 2, 3, 5]) == [("a", 3), ("b", 2)]
-    assert trie.match([1, 2, 3, 4, 5]) == [("a", 4), ("b", 2)]
-    assert trie.match([5]) == []
-    trie.set("a", [1, 2, 3, 6, 6])  # cut back and grown: only the new path counts
-    assert trie.match([1, 2, 3, 4]) == [("a", 3), ("b", 2)]
-    assert trie.match([1, 2, 3, 6, 6, 6]) == [("a", 5), ("b", 2)]
-    trie.remove("b")
-    assert trie.match([1, 2, 9]) == [("a", 2)] and len(trie) == 2
-    trie.remove("a")
-    trie.remove("c")
-    assert len(trie) == 0 and not trie._root.children  # every node pruned
+def test_trajectory_index_matches_longest_prefix_first_and_updates_paths():
+    index = TrajectoryIndex(block_size=2)
+    index.set("a", [1, 2, 3, 4])
+    index.set("b", [1, 2, 9])
+    index.set("c", [7, 8])
+    index.set("d", [1, 2, 3, 4], salt="other tenant")  # another tenant's chain: never matched
+    assert index.match([1, 2, 3, 5]) == [("a", 3), ("b", 2)]
+    assert index.match([1, 2, 3, 4, 5]) == [("a", 4), ("b", 2)]
+    assert index.match([5]) == [] and index.match([1, 2, 3, 4], salt="other tenant") == [("d", 4)]
+    index.set("a", [1, 2, 3, 6, 6])  # cut back and grown: only the new path counts
+    assert index.match([1, 2, 3, 4]) == [("a", 3), ("b", 2)]
+    assert index.match([1, 2, 3, 6, 6, 6]) == [("a", 5), ("b", 2)]
+    index.remove("b")
+    assert index.match([1, 2, 9]) == [("a", 2)] and len(index) == 3
+    for key in ("a", "c", "d"):
+        index.remove(key)
+    assert len(index) == 0 and not index._by_hash and not index._by_first  # nothing left behind
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    paths=st.dictionaries(
+        st.integers(0, 5), st.tuples(st.lists(st.integers(0, 3), max_size=12), st.sampled_from([None, "t"]))
+    ),
+    prompt=st.lists(st.integers(0, 3), max_size=12),
+    salt=st.sampled_from([None, "t"]),
+    block_size=st.integers(1, 4),
+)
+def test_trajectory_index_equals_a_brute_force_scan(paths, prompt, salt, block_size):
+    index = TrajectoryIndex(block_size)
+    for key, (path, tenant) in paths.items():
+        index.set(key, path, tenant)
+    want = {
+        key: common_prefix(path, prompt)
+        for key, (path, tenant) in paths.items()
+        if tenant == salt and common_prefix(path, prompt) > 0
+    }
+    got = index.match(prompt, salt)
+    assert dict(got) == want and len(got) == len(want)
+    assert [n for _, n in got] == sorted(want.values(), reverse=True)
 
 
 def test_sampling_params_name_the_bad_field():

@@ -8,11 +8,12 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, Unpack
 
 from precache.cache.attention import default_backend, get_backend
 from precache.cache.plan import run_plans
 from precache.cache.pool import DEFAULT_BLOCK_SIZE
+from precache.config import SamplingOptions
 from precache.engine.outputs import Turn
 from precache.engine.request import Request
 from precache.engine.scheduler import Batch, Scheduler, run_concurrently
@@ -186,7 +187,7 @@ class Engine:
         self.scheduler.cancel(request)
 
     def generate_batch(
-        self, prompts: Sequence[str | list[int]], agent: str | None = None, **kwargs
+        self, prompts: Sequence[str | list[int]], agent: str | None = None, **kwargs: Unpack[SamplingOptions]
     ) -> list[Turn]:
         """One turn of ``agent`` on a new session per prompt, all batched together (like
         ``vllm.LLM.generate``); keyword arguments are :class:`~precache.config.SamplingParams`

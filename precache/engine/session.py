@@ -11,22 +11,14 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Unpack
 
+from precache.cache.prefix import common_prefix
 from precache.cache.swap import SwappedBlocks, swap_in
-from precache.config import SamplingParams
+from precache.config import SamplingOptions, SamplingParams
 from precache.engine.outputs import StreamChunk, Turn
 from precache.engine.request import Request
 from precache.errors import ContextLengthError, EmptyRequestError, SessionBusyError, UnknownAdapterError
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token-id sequences."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass(eq=False)
@@ -173,7 +165,7 @@ class Session:
         self.method.check(self.state)
 
     # -- turns ---------------------------------------------------------------------------------
-    def generate(self, agent: str | None = None, **kwargs) -> Turn:
+    def generate(self, agent: str | None = None, **kwargs: Unpack[SamplingOptions]) -> Turn:
         """Run one turn for ``agent`` (None: base model) and return it. Keyword arguments are
         :class:`~precache.config.SamplingParams` fields (``max_new_tokens``, ``temperature``, ``stop``,
         ``ignore_eos``, ``logprobs``, ``logit_bias`` as ``{token id: bias}``, ...). The text follows
@@ -195,7 +187,9 @@ class Session:
         self.engine.wait(request)
         return request.outcome()
 
-    def generate_choices(self, agent: str | None = None, n: int = 2, **kwargs) -> list[Turn]:
+    def generate_choices(
+        self, agent: str | None = None, n: int = 2, **kwargs: Unpack[SamplingOptions]
+    ) -> list[Turn]:
         """``n`` choices of one turn (parallel sampling, vLLM's ``n``): the prompt is prefilled once,
         then the choices decode in the same steps on forks of its caches; choice ``i > 0`` samples
         with ``seed + i`` when a ``seed`` is given. The trajectory goes on with choice 0 (the forks
@@ -208,7 +202,12 @@ class Session:
             for child in request.children:
                 child.session.close()
 
-    def submit(self, agent: str | None = None, params: SamplingParams | None = None, **kwargs) -> Request:
+    def submit(
+        self,
+        agent: str | None = None,
+        params: SamplingParams | None = None,
+        **kwargs: Unpack[SamplingOptions],
+    ) -> Request:
         """Validate and queue a turn (as :meth:`generate`, ``n`` choices allowed) without waiting for
         it; the engine runs it as it steps (:meth:`Engine.wait`, :meth:`Engine.step`). ``params``
         (built once, e.g. by the server) replaces the keyword arguments."""
@@ -216,7 +215,7 @@ class Session:
             raise ValueError(f"pass params or sampling keyword arguments, not both (got {sorted(kwargs)})")
         return self.engine.submit(Request(self, agent, self.validate(agent, params or kwargs)))
 
-    def stream(self, agent: str | None = None, **kwargs) -> Iterator[StreamChunk]:
+    def stream(self, agent: str | None = None, **kwargs: Unpack[SamplingOptions]) -> Iterator[StreamChunk]:
         """Like :meth:`generate`, yielding each token as it is sampled with the text it makes safe to
         send (:class:`~precache.engine.outputs.StreamChunk`: never a partial character nor the start
         of a stop string; the chunks' texts concatenate to the turn's text); the turn lands in

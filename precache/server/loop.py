@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from precache.engine.request import RequestState
+from precache.engine.request import Request, RequestState
 from precache.engine.scheduler import SchedulerConfig
 from precache.errors import CacheCapacityError, OutOfBlocksError, PrecacheError, RequestCancelledError
 from precache.server.config import ServerConfig
@@ -156,7 +156,8 @@ class ServerLoop:
                     pending.append(job)
                     continue
                 job.entry = entry
-                job.request = entry.session.submit(job.agent, params=job.params)
+                # the handler checked the body once (adapter, fields, token ids, context)
+                job.request = self.engine.submit(Request(entry.session, job.agent, job.params))
             except PrecacheError as exc:
                 if job.entry is not None:
                     self.pool.release(job.entry)

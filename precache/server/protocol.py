@@ -221,12 +221,11 @@ def max_tokens_field(req: _GenerationRequest) -> tuple[str, int | None]:
 
 def sampling_params(req: _GenerationRequest, default_max_tokens: int) -> SamplingParams:
     """The request's sampling fields as engine parameters (OpenAI defaults: temperature 1, top_p 1),
-    after :func:`check_fields`.
+    built once per request; the caller ran :func:`check_fields` (the field policy) first.
 
     Raises:
         APIError: 400 naming the field that is refused or out of range.
     """
-    check_fields(req)
     name, max_tokens = max_tokens_field(req)
     max_tokens = default_max_tokens if max_tokens is None else max_tokens
     if max_tokens < 1:

@@ -13,8 +13,8 @@ import logging
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
+from precache.cache.prefix import TrajectoryIndex
 from precache.engine.session import Session
-from precache.server.prefix import TokenTrie
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +41,10 @@ class PooledSession:
 
 
 class SessionPool:
-    """Sessions by ``(tenant, id)`` with one :class:`TokenTrie` per tenant over its trajectories.
+    """Sessions by ``(tenant, id)``, their trajectories indexed by the engine's salted block-hash
+    chain (:class:`~precache.cache.prefix.TrajectoryIndex`, the tenant as the salt).
 
-    A request sees its own tenant's sessions only: its lookup walks its tenant's trie alone, a
+    A request sees its own tenant's sessions only: its lookup follows its tenant's hash chain alone, a
     pinned ``session_id`` names a session of its tenant (another tenant's session of the same name
     is another session), and every new or forked session carries the tenant as its ``cache_salt``.
 
@@ -65,7 +66,7 @@ class SessionPool:
     def __init__(self, engine, min_fork_tokens: int = 32):
         self.engine, self.min_fork_tokens = engine, min_fork_tokens
         self.entries: OrderedDict[tuple, PooledSession] = OrderedDict()  # least recently used first
-        self.tries: dict[str | None, TokenTrie] = {}
+        self.index = TrajectoryIndex(engine.pool.block_size)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -81,8 +82,8 @@ class SessionPool:
             )
             return None if entry.busy else self._claim(entry, prompt_ids, "pinned")
         fork_from: tuple[PooledSession, int] | None = None
-        for sid, common in self.trie(tenant).match(prompt_ids):
-            entry = self.entries[(tenant, sid)]
+        for key, common in self.index.match(prompt_ids, tenant):
+            entry = self.entries[key]
             if common >= entry.anchor:
                 return None if entry.busy else self._claim(entry, prompt_ids, "reuse")
             if fork_from is None and not entry.busy and common >= max(1, self.min_fork_tokens):
@@ -93,24 +94,17 @@ class SessionPool:
             return self._claim(child, prompt_ids, "fork")
         return self._claim(self._add(self.engine.session(cache_salt=tenant)), prompt_ids, "new")
 
-    def trie(self, tenant: str | None) -> TokenTrie:
-        """The trie over ``tenant``'s sessions (empty for a tenant never seen)."""
-        return self.tries.get(tenant) or self.tries.setdefault(tenant, TokenTrie())
-
     def release(self, entry: PooledSession) -> None:
         """The request on ``entry`` is over: index its whole trajectory and make it reusable."""
         entry.busy = False
         if entry.key in self.entries:
-            self.trie(entry.tenant).set(entry.sid, entry.session.token_ids)
+            self.index.set(entry.key, entry.session.token_ids, entry.tenant)
             self.entries.move_to_end(entry.key)
 
     def discard(self, entry: PooledSession) -> None:
         """Forget ``entry`` and give its cache blocks back to the pool."""
         self.entries.pop(entry.key, None)
-        trie = self.trie(entry.tenant)
-        trie.remove(entry.sid)
-        if not len(trie):
-            del self.tries[entry.tenant]
+        self.index.remove(entry.key)
         if entry.session.active is None:
             entry.session.close()
 
@@ -162,6 +156,6 @@ class SessionPool:
         entry.busy = True
         self.entries.move_to_end(entry.key)
         entry.anchor = len(prompt_ids)
-        self.trie(entry.tenant).set(entry.sid, prompt_ids)
+        self.index.set(entry.key, prompt_ids, entry.tenant)
         entry.how, entry.common = how, common
         return entry
