@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from precache.cache.plan import RowPlan
+from precache.cache.rowplan import RowPlan
 from precache.config import SamplingParams
 from precache.engine.detokenize import IncrementalDetokenizer, StopStrings
 from precache.engine.outputs import StreamChunk, TokenLogprob, Turn

@@ -108,7 +108,8 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.reclaim: Callable[[int], int] | None = None
-        self.sessions: weakref.WeakSet = weakref.WeakSet()  # every session of the engine
+        self._sessions: weakref.WeakSet = weakref.WeakSet()  # every session of the engine
+        self._sessions_lock = threading.Lock()  # sessions are made on any thread
         self.steps = 0  # forwards run
         self.preemptions = 0  # requests swapped out, over the scheduler's life
         self._inbox: deque[Request] = deque()  # added from any thread, taken in by the stepping one
@@ -122,6 +123,16 @@ class Scheduler:
     def add(self, request: Request) -> None:
         """Queue ``request`` (any thread); it joins the batch at the next step."""
         self._inbox.append(request)
+
+    def track(self, session) -> None:
+        """Know ``session`` (any thread): an idle one may be swapped out when the pool needs blocks."""
+        with self._sessions_lock:
+            self._sessions.add(session)
+
+    def sessions(self) -> list:
+        """The engine's live sessions, a snapshot."""
+        with self._sessions_lock:
+            return list(self._sessions)
 
     def cancel(self, request: Request) -> None:
         """Cancel ``request`` and its choices (any thread) at the next step: a waiting one ends
@@ -245,7 +256,7 @@ class Scheduler:
         """Give back at least ``short`` blocks if possible: idle sessions first (``reclaim``), then,
         with ``preempt``, the youngest running requests younger than ``r``; returns blocks freed."""
         freed = self.reclaim(short) if self.reclaim is not None else 0
-        for session in preemption.idle_victims(self.sessions) if freed < short else ():
+        for session in preemption.idle_victims(self.sessions()) if freed < short else ():
             if freed >= short:
                 break
             freed += preemption.swap_out_session(session, self.pool)

@@ -53,7 +53,7 @@ class Session:
         if self.state is None:
             self.state = self.method.new_state()
             self.state.salt = self.cache_salt
-        self.engine.scheduler.sessions.add(self)
+        self.engine.scheduler.track(self)
 
     def __len__(self) -> int:
         return len(self.token_ids)

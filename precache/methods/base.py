@@ -50,6 +50,11 @@ class CacheState:
         out = [self.base, self.turn, *self.lr.values(), *self.full.values()]
         return [s for s in out if s is not None]
 
+    def paged_stores(self) -> list[PagedStore]:
+        """The stores that hold pool blocks (the LR caches live in the base store's blocks), each once."""
+        out = [self.base, self.turn, *self.full.values()]
+        return list({id(s): s for s in out if s is not None}.values())
+
 
 #: share of a GPU's free memory the default block pool may take (the rest: activations, logits)
 GPU_POOL_SHARE = 0.85
@@ -192,15 +197,20 @@ class SharingMethod(ABC):
         lr = state.lr.get(agent) if agent is not None else None
         return materialise_view(self.model, layer, View(state.base, 0, end, lr, self.adapter(agent)))
 
-    def check_fits(self, state: CacheState, n_tokens: int) -> None:
-        """Refuse a turn that could never fit the block pool: its trajectory reaching ``n_tokens``.
+    def check_fits(self, state: CacheState, n_tokens: int, choices: int = 1) -> None:
+        """Refuse a turn that could never fit the block pool: its trajectory reaching ``n_tokens``,
+        with ``choices - 1`` more forks of the open turn each writing its own tokens (parallel
+        sampling: a fork's first write copies the prompt's last, shared block).
 
         Raises:
             CacheCapacityError: the turn's caches need more blocks than the pool holds.
         """
         cached = self.cached_length(state)
-        need = self.pool.blocks_for(n_tokens) + self.extra_turn_blocks(n_tokens - cached)
-        self.pool.check_fits(need, f"a {n_tokens}-token trajectory under {self.name}")
+        turn = n_tokens - cached
+        need = self.pool.blocks_for(n_tokens) + self.extra_turn_blocks(turn)
+        need += (choices - 1) * (self.pool.blocks_for(turn) + 1 + self.extra_turn_blocks(turn))
+        what = f"a {n_tokens}-token trajectory" + (f" with {choices} choices" if choices > 1 else "")
+        self.pool.check_fits(need, f"{what} under {self.name}")
 
     def extra_turn_blocks(self, turn_tokens: int) -> int:
         """Blocks a turn of ``turn_tokens`` holds beyond the trajectory's own cache (default none)."""
@@ -216,21 +226,36 @@ class SharingMethod(ABC):
         for chain in state.prefix.values():
             chain.truncate(length, self.pool.block_size)
 
-    def fork_state(self, state: CacheState, length: int) -> CacheState:
+    def fork_state(self, state: CacheState, length: int, open_turn: bool = False) -> CacheState:
         """A copy of ``state`` over its first ``length`` tokens that shares every block (O(1) cache
-        memory; the first write to a shared block copies it). Only between turns.
+        memory; the first write to a shared block copies it). Between turns, or with ``open_turn``
+        in the middle of one (parallel sampling: the fork carries the open turn's caches and its
+        start, so its turn goes on exactly as the parent's would).
 
         Raises:
-            CacheIntegrityError: a turn is open on ``state``.
+            CacheIntegrityError: a turn is open on ``state`` and ``open_turn`` is False.
         """
-        if state.turn_start is not None:
+        if state.turn_start is not None and not open_turn:
             raise CacheIntegrityError("cannot fork caches during an open turn")
         base = state.base.fork(length) if state.base is not None else None
         lr = {a: LRView(base, a, min(v.length, length)) for a, v in state.lr.items()}
         full = {a: s.fork(length) for a, s in state.full.items()}
+        turn = state.turn.fork(length) if state.turn is not None else None
         bs = self.pool.block_size
-        prefix = {k: c.fork(min(length, self._store(state, k).length), bs) for k, c in state.prefix.items()}
-        return CacheState(base=base, lr=lr, full=full, prefix=prefix, salt=state.salt)
+        prefix = {
+            k: c.fork(min(length, self._store(state, k).length), bs)
+            for k, c in state.prefix.items()
+            if k in self.prefix_stores(state)
+        }
+        return CacheState(
+            base=base,
+            lr=lr,
+            full=full,
+            turn=turn,
+            turn_start=state.turn_start,
+            prefix=prefix,
+            salt=state.salt,
+        )
 
     # -- cross-trajectory prefix reuse ---------------------------------------------------------
     def prefix_stores(self, state: CacheState) -> dict[str, PagedStore]:

@@ -96,13 +96,10 @@ class SelectiveRecompute(FullShared):
     def new_state(self) -> SelectiveState:
         return SelectiveState(full={"shared": self.new_kv_store()})
 
-    def fork_state(self, state: SelectiveState, length: int) -> SelectiveState:
-        forked = super().fork_state(state, length)
+    def fork_state(self, state: SelectiveState, length: int, open_turn: bool = False) -> SelectiveState:
+        forked = super().fork_state(state, length, open_turn)
         return SelectiveState(
-            base=forked.base,
-            lr=forked.lr,
-            full=forked.full,
-            prefix=forked.prefix,
+            **{f: getattr(forked, f) for f in ("base", "lr", "full", "turn", "turn_start", "prefix", "salt")},
             token_ids=state.token_ids[:length],
         )
 
@@ -112,9 +109,12 @@ class SelectiveRecompute(FullShared):
         state.token_ids = list(token_ids)
         return super().reuse_prefix(state, agent, token_ids)
 
-    def check_fits(self, state: CacheState, n_tokens: int) -> None:
+    def check_fits(self, state: CacheState, n_tokens: int, choices: int = 1) -> None:
         need = 2 * self.pool.blocks_for(n_tokens) + 1  # the shared cache and the agent's blended view
-        self.pool.check_fits(need, f"a {n_tokens}-token trajectory under {self.name}")
+        turn = n_tokens - self.cached_length(state)
+        need += (choices - 1) * 2 * (self.pool.blocks_for(turn) + 1)  # each fork writes both
+        what = f"a {n_tokens}-token trajectory" + (f" with {choices} choices" if choices > 1 else "")
+        self.pool.check_fits(need, f"{what} under {self.name}")
 
     def begin_turn(self, state: SelectiveState, agent: str | None) -> None:
         super().begin_turn(state, agent)
