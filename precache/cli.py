@@ -20,10 +20,24 @@ import sys
 import warnings
 from collections.abc import Callable
 
+import huggingface_hub.utils
+import transformers.utils.logging as hf_logging
+from rich.console import Console
+from rich.text import Text
+
+from precache.errors import PrecacheError
+
 #: exit code of a command stopped by bad input (a PrecacheError), as argparse's usage errors
 EXIT_BAD_INPUT = 2
 
-_COMMAND_MODULES = ("precache.demo", "precache.agents.cli", "precache.bench.cli", "precache.server.cli")
+#: the modules that register sub-commands, in order (``cluster.cli`` extends ``server.cli``'s ``serve``)
+_COMMAND_MODULES = (
+    "precache.demo",
+    "precache.agents.cli",
+    "precache.bench.cli",
+    "precache.server.cli",
+    "precache.cluster.cli",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,11 +72,6 @@ def guard(command: Callable[[argparse.Namespace], int | None]) -> Callable[[argp
 
     @functools.wraps(command)
     def run(args: argparse.Namespace) -> int:
-        from rich.console import Console
-        from rich.text import Text
-
-        from precache.errors import PrecacheError
-
         try:
             return int(command(args) or 0)
         except PrecacheError as exc:
@@ -85,9 +94,6 @@ def set_verbosity(verbose: int) -> None:
     logging.basicConfig(level=root_level, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(root_level)
     logging.getLogger("precache").setLevel(logging.DEBUG if verbose >= 2 else logging.INFO)
-    import huggingface_hub.utils
-    import transformers.utils.logging as hf_logging
-
     if verbose == 0:
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()

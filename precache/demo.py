@@ -9,7 +9,11 @@ import logging
 from rich.console import Console
 from rich.table import Table
 
-from precache import terminal
+import precache
+from precache import resources, terminal
+from precache.agents.data import get_question, load_questions
+from precache.agents.loop import run_episode
+from precache.agents.prompt import ROLES
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +37,6 @@ def run_demo(
         AdapterError: the adapter set, or an agent's adapter in it, is missing (run
             ``precache adapters train``).
     """
-    import precache
-    from precache import resources
-    from precache.agents.data import get_question, load_questions
-    from precache.agents.loop import run_episode
-    from precache.agents.prompt import ROLES
-
     adapters = resources.adapter_set(adapter_set, ROLES)
     console = console or terminal.console()
     model = precache.load_model()

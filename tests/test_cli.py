@@ -14,6 +14,7 @@ from precache.agents.data import DatasetError, get_question, hotpotqa_dir, load_
 from precache.agents.tools import cap_paragraph
 from precache.bench import report
 from precache.cli import main
+from precache.methods import METHOD_REGISTRY
 from precache.terminal import PIPE_WIDTH, console
 
 QID = "5a832c3455429954d2e2ec41"  # the first dev question (Badr Hari)
@@ -80,12 +81,19 @@ def test_bad_input_is_one_line_and_exit_2_before_the_model_loads(argv, expected,
 
 
 def test_the_method_check_takes_what_make_method_takes():
-    from precache.bench.common import check_method
-
-    for name in ("prelrshared", "ReBaseShared_LP", "rebaseshared"):
-        assert check_method(name) == name
+    for name, registered in [
+        ("prelrshared", "prelrshared"),
+        ("ReBaseShared_LP", "rebaseshared-lp"),
+        ("rebaseshared", "rebaseshared-lp"),
+        (" NonShared ", "nonshared"),
+    ]:
+        assert METHOD_REGISTRY.canonical(name) == registered
+        assert METHOD_REGISTRY[name] is METHOD_REGISTRY[registered]
+    assert METHOD_REGISTRY.names == precache.METHODS and "rebaseshared" in METHOD_REGISTRY.choices
     with pytest.raises(precache.errors.UnknownMethodError, match="methods: nonshared, fullshared"):
-        check_method("prelr")
+        METHOD_REGISTRY.canonical("prelr")
+    with pytest.raises(precache.errors.UnknownMethodError, match=r"unknown method\(s\) prelr, x \(methods: "):
+        METHOD_REGISTRY.canonical_many(["PreLRShared", "prelr", "x"])
 
 
 # -- --paragraphs ---------------------------------------------------------------------------------

@@ -13,18 +13,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import precache.models
 from precache.agents import data, scienceqa
 from precache.agents.benchmark import SCIENCEQA, UnknownBenchmarkError
+from precache.agents.calibration import adapter_folders, calibration, calibration_name, calibration_text
 from precache.cli import main
 from precache.errors import AdapterError
 from precache.lora.adapter import load_adapter
-from precache.methods.droidspeak import (
-    PROFILE_FILE,
-    adapter_folders,
-    calibration,
-    calibration_name,
-    calibration_text,
-    profile,
-    read_profile,
-)
+from precache.methods.droidspeak import PROFILE_FILE, profile, read_profile
 from precache.models import _load_tokenizer, model_from_hf, resolve_checkpoint
 from precache.resources import ADAPTER_ROOT
 from tests.tiny import AGENTS, save_random_adapter

@@ -48,7 +48,9 @@ def test_folder_without_config(tmp_path):
 
 def test_unsupported_architecture(tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(tmp_path / "g")
-    with pytest.raises(ModelLoadError, match="model_type 'gpt2' is not supported"):
+    with pytest.raises(
+        ModelLoadError, match=r"unknown model_type .gpt2. \(model_types: llama, mistral, qwen2, qwen3\)"
+    ):
         precache.load_model(tmp_path / "g")
 
 

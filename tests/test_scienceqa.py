@@ -104,7 +104,7 @@ def test_a_malformed_record_names_the_field(change, field):
 def test_missing_files_and_unknown_names(monkeypatch, tmp_path):
     with pytest.raises(DatasetError, match="unknown split 'test'"):
         load_questions("test")
-    with pytest.raises(UnknownBenchmarkError, match="choose from hotpotqa, scienceqa"):
+    with pytest.raises(UnknownBenchmarkError, match="unknown benchmark .*benchmarks: hotpotqa, scienceqa"):
         get_benchmark("gsm8k")
     with pytest.raises(
         AdapterError, match="train it with `precache adapters train --benchmark scienceqa --set all`"

@@ -16,6 +16,7 @@ from precache.agents import data, gold, prompt, scienceqa, scienceqa_tools
 from precache.agents.scoring import exact_match, f1, normalize_answer
 from precache.agents.tools import StepResult, ToolEnv
 from precache.errors import AdapterError, PrecacheError
+from precache.registry import Registry
 from precache.resources import ADAPTER_ROOT, ADAPTER_SETS
 
 
@@ -105,11 +106,16 @@ SCIENCEQA = Benchmark(
     metrics=("accuracy",),
     adapter_root=ADAPTER_ROOT.parent / f"{ADAPTER_ROOT.name}-scienceqa",
 )
-BENCHMARKS = {b.name: b for b in (HOTPOTQA, SCIENCEQA)}
+#: the benchmarks by name (``--benchmark``)
+BENCHMARKS: Registry[Benchmark] = Registry("benchmark", UnknownBenchmarkError)
+BENCHMARKS.register(HOTPOTQA.name, HOTPOTQA)
+BENCHMARKS.register(SCIENCEQA.name, SCIENCEQA)
 
 
 def get_benchmark(name: str) -> Benchmark:
-    """The benchmark called ``name``. Raises UnknownBenchmarkError naming the known ones."""
-    if name not in BENCHMARKS:
-        raise UnknownBenchmarkError(f"unknown benchmark {name!r} (choose from {', '.join(BENCHMARKS)})")
+    """The benchmark called ``name`` (any case).
+
+    Raises:
+        UnknownBenchmarkError: no benchmark has that name; the message lists them.
+    """
     return BENCHMARKS[name]

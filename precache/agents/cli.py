@@ -1,8 +1,9 @@
-"""Sub-commands: ``precache adapters list | train | check``, ``precache run`` and ``precache eval``.
+"""Sub-commands: ``precache adapters list | train | check | profile-droidspeak``, ``precache run``
+and ``precache eval``.
 
-``run`` and ``eval`` drive the precache engine (``precache.Engine``, ``precache.load_model``),
-imported only when those commands run. Every argument that can be checked without the model
-(method, adapters, question files) is checked before the model loads.
+``run`` and ``eval`` drive the precache engine (``precache.Engine``, ``precache.load_model``).
+Every argument that can be checked without the model (method, adapters, question files) is
+checked before the model loads.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from pathlib import Path
 
 from rich.table import Table
 
+import precache
 from precache.agents import prompt
 from precache.agents.benchmark import BENCHMARKS, get_benchmark
+from precache.agents.calibration import add_profile_command
 from precache.agents.data import (
     DatasetError,
     Question,
@@ -23,7 +26,13 @@ from precache.agents.data import (
     load_question_file,
     parse_context,
 )
-from precache.bench.common import check_method, positive_int
+from precache.agents.evaluate import evaluate
+from precache.agents.formcheck import format_markdown, formcheck_markdown, run_formcheck
+from precache.agents.loop import run_episode
+from precache.agents.train import train_adapters
+from precache.cli_args import positive_int
+from precache.errors import AdapterError
+from precache.methods import METHOD_REGISTRY
 from precache.resources import ADAPTER_ROOT, ADAPTER_SETS, adapter_set
 from precache.terminal import console
 
@@ -33,9 +42,6 @@ REFERENCE_METHOD = "nonshared"
 
 
 def _list(args: argparse.Namespace) -> int:
-    from precache.agents.benchmark import BENCHMARKS
-    from precache.errors import AdapterError
-
     table = Table("benchmark", "set", "agent", "rank", "alpha", "target modules", "folder")
     for benchmark in BENCHMARKS.values():
         for name in ADAPTER_SETS:
@@ -60,8 +66,6 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from precache.agents.train import train_adapters
-
     benchmark = get_benchmark(args.benchmark)
     out = Path(args.out) if args.out else benchmark.adapter_root / args.set
     train_adapters(
@@ -76,8 +80,6 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from precache.agents.formcheck import format_markdown, formcheck_markdown, run_formcheck
-
     reports = run_formcheck({name: ADAPTER_ROOT / name for name in args.set}, limit=args.limit)
     for name, report in reports.items():
         data = json.dumps(report, indent=1) + "\n"
@@ -90,8 +92,6 @@ def _check(args: argparse.Namespace) -> int:
 
 def _engine(args: argparse.Namespace, method: str, adapters: dict[str, Path], model=None):
     """A precache engine with ``adapters``; loads ``args.model`` unless given ``model``."""
-    import precache
-
     if model is None:
         model = precache.load_model(args.model)
     return precache.Engine(model, adapters=adapters, method=method)
@@ -148,9 +148,7 @@ def _hotpotqa_only(benchmark, args: argparse.Namespace, options: tuple[str, ...]
 
 
 def _run(args: argparse.Namespace) -> int:
-    from precache.agents.loop import run_episode
-
-    check_method(args.method)
+    METHOD_REGISTRY.canonical(args.method)  # an unknown method is refused before the model loads
     benchmark = get_benchmark(args.benchmark)
     _hotpotqa_only(benchmark, args, ("paragraphs", "answer"))
     if benchmark.name != "hotpotqa":
@@ -195,9 +193,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from precache.agents.evaluate import evaluate
-
-    check_method(args.method)
+    METHOD_REGISTRY.canonical(args.method)
     benchmark = get_benchmark(args.benchmark)
     _hotpotqa_only(benchmark, args, ("data",))
     adapters = adapter_set(benchmark.adapters(args.adapters), prompt.ROLES)
@@ -237,16 +233,16 @@ def _eval(args: argparse.Namespace) -> int:
 def _benchmark_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--benchmark",
-        choices=tuple(BENCHMARKS),
+        choices=BENCHMARKS.names,
         default="hotpotqa",
         help="hotpotqa (EM / F1) or scienceqa (option accuracy); committed adapter sets are per benchmark",
     )
 
 
 def _engine_options(parser: argparse.ArgumentParser) -> None:
-    from precache.methods import METHODS
-
-    parser.add_argument("--method", default="prelrshared", help="sharing method: " + ", ".join(METHODS))
+    parser.add_argument(
+        "--method", default="prelrshared", help="sharing method: " + ", ".join(METHOD_REGISTRY.names)
+    )
     parser.add_argument(
         "--adapters",
         default="qv",
@@ -286,8 +282,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     check.add_argument("--set", nargs="+", choices=ADAPTER_SETS, default=["qv"], help="one or both sets")
     check.add_argument("--limit", type=int, default=20, help="dev questions to check")
     check.set_defaults(func=_check)
-    from precache.methods.droidspeak import add_profile_command
-
     add_profile_command(adapters_sub)  # `adapters profile-droidspeak` (DroidSpeak's critical layers)
 
     run = sub.add_parser("run", help="answer one HotpotQA or ScienceQA question with the three agents")

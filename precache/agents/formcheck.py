@@ -26,12 +26,14 @@ import random
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from precache.agents import prompt
 from precache.agents.data import Question, load_questions
 from precache.agents.gold import gold_trajectory
 from precache.agents.scoring import exact_match
 from precache.agents.tools import ACTION_TYPES, normalize_title
+from precache.models.loader import embedded_checkpoint
 from precache.terminal import progress
 
 logger = logging.getLogger(__name__)
@@ -105,10 +107,7 @@ def _judge(role: str, text: str, gold: prompt.Piece, previous: prompt.Piece, que
 
 def _load(adapter_sets: dict[str, Path]):
     """Base model with every role adapter of every set, named ``<set>_<role>``."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from precache.models.loader import embedded_checkpoint
+    from peft import PeftModel  # heavy: loaded only when a form check runs
 
     base_path = embedded_checkpoint()
     tokenizer = AutoTokenizer.from_pretrained(base_path)

@@ -19,9 +19,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from precache.agents import prompt
 from precache.agents.benchmark import HOTPOTQA, Benchmark
+from precache.models.loader import embedded_checkpoint
 from precache.terminal import progress
 
 logger = logging.getLogger(__name__)
@@ -71,9 +75,6 @@ def store_adapter_as(folder: str | Path, dtype: str) -> Path:
     Raises:
         ValueError: ``dtype`` is not one of :data:`SAVE_DTYPES`.
     """
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     torch_dtype = save_dtype_of(dtype)
     file = Path(folder) / "adapter_model.safetensors"
     with safe_open(str(file), "pt") as stored:
@@ -158,8 +159,7 @@ def train_role(
 ) -> list[float]:
     """Train and save the adapter of one role under ``out_dir`` on ``benchmark``'s train split;
     returns the loss per step."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from peft import LoraConfig, get_peft_model  # heavy: loaded only when training runs
 
     torch.manual_seed(config.seed)
     tokenizer = AutoTokenizer.from_pretrained(base_path)
@@ -219,8 +219,6 @@ def train_adapters(
     Raises:
         ValueError: unknown ``targets`` or ``save_dtype``.
     """
-    from precache.models.loader import embedded_checkpoint
-
     if targets not in TARGET_SETS:
         raise ValueError(f"unknown adapter set {targets!r} (choose from {', '.join(TARGET_SETS)})")
     save_dtype_of(save_dtype)  # refused before any training

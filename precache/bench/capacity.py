@@ -14,9 +14,14 @@ import logging
 import time
 from collections.abc import Callable
 
-from precache.bench.common import add_common_args, write_results
-from precache.bench.trace import Trace
+import torch
+
+import precache
+from precache.bench.common import add_common_args, methods_with_reference, special_ids, write_results
+from precache.bench.trace import Trace, load_trace, paper_trace, token_stream
 from precache.errors import OutOfBlocksError
+from precache.methods import METHODS
+from precache.resources import adapter_set, trace_path
 
 logger = logging.getLogger(__name__)
 
@@ -77,13 +82,6 @@ def capacity_markdown(result: dict) -> str:
 
 
 def _bench_capacity(args: argparse.Namespace) -> int:
-    import torch
-
-    import precache
-    from precache.bench.common import methods_with_reference, special_ids
-    from precache.bench.trace import load_trace, paper_trace, token_stream
-    from precache.resources import adapter_set, trace_path
-
     if args.threads:
         torch.set_num_threads(args.threads)
     trace = paper_trace(args.paper_len) if args.trace is None else load_trace(trace_path(args.trace))
@@ -105,8 +103,6 @@ def _bench_capacity(args: argparse.Namespace) -> int:
 
 def add_bench_capacity(bench_sub) -> None:
     """Register ``precache bench capacity``."""
-    from precache.methods import METHODS
-
     p = bench_sub.add_parser("capacity", help="how many trajectories stay resident in one KV-cache budget")
     p.add_argument("--kv-cache-bytes", type=int, required=True, help="the block pool's budget in bytes")
     p.add_argument("--paper-len", type=int, default=256, help="L of the paper trace (when no --trace)")

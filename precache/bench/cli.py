@@ -9,13 +9,24 @@ import argparse
 import logging
 from pathlib import Path
 
-from precache.bench.common import (
-    add_common_args,
-    hf_model_of,
-    methods_with_reference,
-    positive_int,
-    special_ids,
-)
+import torch
+
+import precache
+from precache.agents.benchmark import BENCHMARKS, get_benchmark
+from precache.bench import report
+from precache.bench.capacity import add_bench_capacity
+from precache.bench.common import add_common_args, hf_model_of, methods_with_reference, special_ids
+from precache.bench.decode import add_bench_decode
+from precache.bench.episode_ttft import add_bench_episodes
+from precache.bench.episodes import run_fidelity
+from precache.bench.hf_peft import METHOD_NAME, HFPeftAgents
+from precache.bench.replay import replay_engine
+from precache.bench.serve import add_bench_serve
+from precache.bench.study import add_study
+from precache.bench.suite import run_suite
+from precache.bench.trace import check_fits, load_trace, token_stream
+from precache.cli_args import positive_int
+from precache.methods import METHODS
 from precache.resources import adapter_set, trace_path
 from precache.terminal import console
 
@@ -23,15 +34,6 @@ logger = logging.getLogger(__name__)
 
 
 def _bench_trace(args: argparse.Namespace) -> int:
-    import torch
-
-    import precache
-    from precache.bench import plots, report
-    from precache.bench.hf_peft import METHOD_NAME, HFPeftAgents
-    from precache.bench.replay import replay_engine
-    from precache.bench.suite import run_suite
-    from precache.bench.trace import check_fits, load_trace, token_stream
-
     if args.threads:
         torch.set_num_threads(args.threads)
     methods = methods_with_reference(args.methods)
@@ -60,18 +62,13 @@ def _bench_trace(args: argparse.Namespace) -> int:
     if args.markdown:
         Path(args.markdown).write_text(report.trace_markdown(result), encoding="utf-8")
     if args.plot:
+        from precache.bench import plots  # matplotlib: only to draw
+
         plots.plot_trace(result, args.plot)
     return 0
 
 
 def _fidelity(args: argparse.Namespace) -> int:
-    import torch
-
-    import precache
-    from precache.agents.benchmark import get_benchmark
-    from precache.bench import plots, report
-    from precache.bench.episodes import run_fidelity
-
     if args.threads:
         torch.set_num_threads(args.threads)
     methods = methods_with_reference(args.methods)
@@ -95,27 +92,20 @@ def _fidelity(args: argparse.Namespace) -> int:
     if args.markdown:
         Path(args.markdown).write_text(report.fidelity_markdown(result), encoding="utf-8")
     if args.plot_dir:
+        from precache.bench import plots  # matplotlib: only to draw
+
         plots.plot_fidelity(result, args.plot_dir)
     return 0
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``bench trace`` and ``fidelity`` on the ``precache`` parser."""
-    from precache.methods import METHODS
-
     bench = sub.add_parser("bench", help="benchmarks: trace replay against NonShared and HF + PEFT")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from precache.bench.capacity import add_bench_capacity
-    from precache.bench.decode import add_bench_decode
-    from precache.bench.episode_ttft import add_bench_episodes
-    from precache.bench.serve import add_bench_serve
-
     add_bench_serve(bench_sub)
     add_bench_capacity(bench_sub)
     add_bench_decode(bench_sub)
     add_bench_episodes(bench_sub)
-    from precache.bench.study import add_study
-
     add_study(sub)
     trace = bench_sub.add_parser("trace", help="replay an agent trace with every method, side by side")
     trace.add_argument(
@@ -140,7 +130,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     trace.set_defaults(func=_bench_trace)
 
     fidelity = sub.add_parser("fidelity", help="KL, top-1, base-cache error and answers vs NonShared")
-    fidelity.add_argument("--benchmark", default="hotpotqa", help="hotpotqa | scienceqa")
+    fidelity.add_argument("--benchmark", default="hotpotqa", help=" | ".join(BENCHMARKS.names))
     fidelity.add_argument("--split", choices=("dev", "train", "all"), default="dev")
     fidelity.add_argument("--limit", type=positive_int, default=None, help="first N questions of the split")
     fidelity.add_argument("--max-steps", type=int, default=8, help="plan steps per episode")

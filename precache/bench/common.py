@@ -6,51 +6,38 @@ import argparse
 import os
 from pathlib import Path
 
-from precache.errors import UnknownMethodError
+import torch
+from transformers import AutoModelForCausalLM
 
+from precache.bench import report
+from precache.cli_args import positive_int
+from precache.methods import METHOD_REGISTRY
+from precache.terminal import console
 
-def positive_int(text: str) -> int:
-    """An argparse ``type``: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def check_method(name: str) -> str:
-    """``name`` if :func:`~precache.methods.make_method` takes it (one of ``METHODS``, any case,
-    ``_`` for ``-``, or ``rebaseshared`` for ``rebaseshared-lp``): checked before a model loads.
-
-    Raises:
-        UnknownMethodError: it does not; the message lists the methods.
-    """
-    from precache.methods import METHODS
-
-    if name.lower().replace("_", "-") not in (*METHODS, "rebaseshared"):
-        raise UnknownMethodError(f"unknown sharing method '{name}' (methods: {', '.join(METHODS)})")
-    return name
+# positive_int is precache.cli_args's, re-exported here for bench/study.py
+__all__ = [
+    "add_common_args",
+    "hf_model_of",
+    "methods_with_reference",
+    "positive_int",
+    "special_ids",
+    "write_results",
+]
 
 
 def methods_with_reference(text: str) -> list[str]:
-    """Method names from a comma-separated list, NonShared (the reference) first and always.
+    """Method names from a comma-separated list (any spelling the registry takes), as registered,
+    NonShared (the reference) first and always.
 
     Raises:
-        UnknownMethodError: a name is not a method.
+        UnknownMethodError: a name is not a method; the message names every unknown one.
     """
-    from precache.methods import METHODS
-
-    names = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in names if m not in METHODS]
-    if unknown:
-        raise UnknownMethodError(f"unknown method(s) {', '.join(unknown)} (methods: {', '.join(METHODS)})")
-    return ["nonshared", *(m for m in names if m != "nonshared")]  # the reference always runs
+    names = METHOD_REGISTRY.canonical_many(m.strip() for m in text.split(",") if m.strip())
+    return ["nonshared", *dict.fromkeys(m for m in names if m != "nonshared")]  # the reference always runs
 
 
 def hf_model_of(model):
     """The HF model the baseline wraps, loaded from ``model``'s checkpoint (no tensors shared)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     return AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
 
 
@@ -75,9 +62,6 @@ def add_common_args(parser: argparse.ArgumentParser, default_methods: str | None
 def write_results(result: dict, markdown: str, args: argparse.Namespace) -> int:
     """Record the command's arguments in ``result``, write it to ``--json``, print ``markdown`` and
     write it to ``--markdown`` when given. Returns the exit code 0."""
-    from precache.bench import report
-    from precache.terminal import console
-
     result["config"] = {k: v for k, v in vars(args).items() if k != "func"}
     report.write_json(result, args.json)
     console().print(markdown)

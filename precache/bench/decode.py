@@ -12,8 +12,12 @@ import argparse
 import time
 
 import torch
+from transformers import DynamicCache
 
-from precache.bench.common import add_common_args, write_results
+import precache
+from precache.bench.common import add_common_args, hf_model_of, write_results
+from precache.methods import METHOD_REGISTRY
+from precache.resources import adapter_set
 
 
 def engine_decode(engine, agent: str, prompts: list[list[int]], new_tokens: int) -> dict:
@@ -39,8 +43,6 @@ def engine_decode(engine, agent: str, prompts: list[list[int]], new_tokens: int)
 def hf_peft_decode(peft_model, prompt: list[int], new_tokens: int) -> dict:
     """One greedy stream on an HF PEFT model with a ``DynamicCache``: the same measure as
     :func:`engine_decode` for one trajectory."""
-    from transformers import DynamicCache
-
     cache = DynamicCache()
     out = peft_model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True, logits_to_keep=1)
     token = out.logits[0, -1].argmax()
@@ -53,22 +55,18 @@ def hf_peft_decode(peft_model, prompt: list[int], new_tokens: int) -> dict:
 
 
 def _bench_decode(args: argparse.Namespace) -> int:
-    from peft import PeftModel
-
-    import precache
-    from precache.bench.common import check_method, hf_model_of
-    from precache.resources import adapter_set
+    from peft import PeftModel  # heavy; only the HF baseline needs it
 
     if args.threads:
         torch.set_num_threads(args.threads)
     adapters = adapter_set(args.adapters, [args.agent])
-    check_method(args.method)
+    method = METHOD_REGISTRY.canonical(args.method)
     model = precache.load_model(args.model)
     g = torch.Generator().manual_seed(args.seed)
     prompts = [
         torch.randint(10, 10_000, (args.prompt_len,), generator=g).tolist() for _ in range(args.concurrency)
     ]
-    engine = precache.Engine(model, adapters={args.agent: adapters[args.agent]}, method=args.method)
+    engine = precache.Engine(model, adapters={args.agent: adapters[args.agent]}, method=method)
     engine_decode(engine, args.agent, prompts[:2], 4)  # warm-up
     ours = engine_decode(engine, args.agent, prompts, args.new_tokens)
     peft = PeftModel.from_pretrained(hf_model_of(model), str(adapters[args.agent])).eval()
@@ -82,7 +80,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
     }
     text = (
         f"| side | trajectories | decode tokens | seconds | tokens/s |\n|---|---:|---:|---:|---:|\n"
-        f"| precache {args.method} | {args.concurrency} | {ours['tokens']} | {ours['seconds']:.2f} | "
+        f"| precache {method} | {args.concurrency} | {ours['tokens']} | {ours['seconds']:.2f} | "
         f"{ours['tokens_per_s']:.1f} |\n"
         f"| hf-peft | 1 | {theirs['tokens']} | {theirs['seconds']:.2f} | {theirs['tokens_per_s']:.1f} |\n\n"
         f"Speed-up: {result['speedup']:.2f}x\n"
@@ -97,7 +95,11 @@ def add_bench_decode(bench_sub) -> None:
     p.add_argument("--prompt-len", type=int, default=256, help="random prompt tokens per trajectory")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per trajectory")
     p.add_argument("--agent", default="plan", help="the adapter both sides decode with")
-    p.add_argument("--method", default="prelrshared", help="the engine's sharing method")
+    p.add_argument(
+        "--method",
+        default="prelrshared",
+        help="the engine's sharing method: " + ", ".join(METHOD_REGISTRY.names),
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     add_common_args(p, None)
     p.set_defaults(func=_bench_decode)

@@ -11,8 +11,16 @@ from __future__ import annotations
 import argparse
 import gc
 
-from precache.bench.common import add_common_args, write_results
+import torch
+
+import precache
+from precache.agents.data import load_questions
+from precache.agents.loop import run_episode
+from precache.bench.common import add_common_args, methods_with_reference, write_results
 from precache.engine.request import Turn
+from precache.engine.scheduler import run_concurrently
+from precache.methods import METHODS
+from precache.resources import adapter_set
 from precache.terminal import progress
 
 
@@ -63,15 +71,6 @@ def episode_markdown(result: dict) -> str:
 
 
 def _bench_episodes(args: argparse.Namespace) -> int:
-    import torch
-
-    import precache
-    from precache.agents.data import load_questions
-    from precache.agents.loop import run_episode
-    from precache.bench.common import methods_with_reference
-    from precache.engine.scheduler import run_concurrently
-    from precache.resources import adapter_set
-
     if args.threads:
         torch.set_num_threads(args.threads)
     questions = load_questions(args.split)[: args.limit]
@@ -95,8 +94,6 @@ def _bench_episodes(args: argparse.Namespace) -> int:
 
 def add_bench_episodes(bench_sub) -> None:
     """Register ``precache bench episodes``."""
-    from precache.methods import METHODS
-
     p = bench_sub.add_parser("episodes", help="TTFT of every method on recorded HotpotQA episodes")
     p.add_argument("--split", choices=("dev", "train", "all"), default="dev")
     p.add_argument("--limit", type=int, default=20, help="first N questions of the split")

@@ -13,6 +13,8 @@ import logging
 import statistics
 from collections.abc import Sequence
 
+from precache.agents.benchmark import get_benchmark
+from precache.agents.loop import run_episode
 from precache.bench.fidelity import REFERENCE, compare_trajectory
 from precache.engine.request import Turn
 from precache.engine.scheduler import run_concurrently
@@ -90,9 +92,6 @@ def run_fidelity(
     ``benchmark.answer_key`` equals the reference's: the normalised answer on HotpotQA, the option
     letter on ScienceQA) and the benchmark's metrics (EM and F1; option accuracy).
     """
-    from precache.agents.benchmark import get_benchmark
-    from precache.agents.loop import run_episode
-
     benchmark = episode_kwargs.get("benchmark") or get_benchmark("hotpotqa")
 
     def record(question):

@@ -27,8 +27,18 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
 
+import precache
+from precache.bench.gpu_kernel import kernel_vs_sdpa
+from precache.bench.gpu_report import write_report
+from precache.bench.hf_peft import METHOD_NAME, HFPeftAgents
+from precache.bench.replay import replay_engine
+from precache.bench.suite import run_suite
 from precache.bench.trace import Trace, load_trace, token_stream
+from precache.engine.scheduler import SchedulerConfig
+from precache.models import model_from_hf
 from precache.resources import trace_path
 
 logger = logging.getLogger(__name__)
@@ -62,10 +72,6 @@ TINY.update(num_attention_heads=4, num_key_value_heads=2, max_position_embedding
 
 def random_model(dry_run: bool, device: str, max_context: int):
     """Our model over a randomly initialised HF Llama (``(model, hf_model)``, weights shared)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from precache.models import model_from_hf
-
     cfg = LlamaConfig(**(TINY if dry_run else LLAMA_31_8B))
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     torch.manual_seed(0)
@@ -77,8 +83,6 @@ def random_model(dry_run: bool, device: str, max_context: int):
 def save_adapters(model, folder: Path, targets: tuple[str, ...], rank: int = 8, seed: int = 0) -> dict:
     """Random PEFT LoRA folders ``folder/<agent>/`` (``A ~ N(0, 1/d_in)``, ``B ~ N(0, 0.02^2)``) for
     every agent; returns them by agent name."""
-    from safetensors.torch import save_file
-
     c = model.config
     sizes = {
         "q_proj": (c.hidden_size, c.num_heads * c.head_dim),
@@ -114,9 +118,6 @@ def save_adapters(model, folder: Path, targets: tuple[str, ...], rank: int = 8, 
 
 
 def _engine(model, adapters, method: str, kv_bytes: int, max_running: int = 64):
-    import precache
-    from precache.engine.scheduler import SchedulerConfig
-
     engine = precache.Engine(
         model, adapters=adapters, method=method, kv_cache_bytes=kv_bytes, prefix_caching=False
     )
@@ -137,9 +138,6 @@ def _kv_budget(model, tokens: int) -> int:
 
 def trace_part(model, hf, adapters: dict, trace: Trace) -> dict:
     """Every method and hf-peft on ``trace``, one repeat after a warm-up (engines built one at a time)."""
-    from precache.bench.replay import replay_engine
-    from precache.bench.suite import run_suite
-
     stream = token_stream(trace, model.config.vocab_size, [], seed=0)
     kv_bytes = _kv_budget(model, (len(AGENTS) + 1) * trace.total_tokens + 4096)
 
@@ -149,8 +147,6 @@ def trace_part(model, hf, adapters: dict, trace: Trace) -> dict:
     runners = {m: runner(m) for m in TRACE_METHODS}
     skipped = []
     try:
-        from precache.bench.hf_peft import METHOD_NAME, HFPeftAgents
-
         runners[METHOD_NAME] = HFPeftAgents(hf, adapters).replay
     except ImportError as exc:  # peft missing on this machine
         skipped.append(f"hf-peft: {exc}")
@@ -173,8 +169,6 @@ def trace_part(model, hf, adapters: dict, trace: Trace) -> dict:
 def load_part(model, adapters: dict, levels: tuple[int, ...], trace: Trace, seconds_left) -> dict:
     """``levels`` concurrent trajectories of ``trace`` per method; levels that would pass the time
     budget are skipped (listed)."""
-    from precache.bench.replay import replay_engine
-
     out, skipped = {}, []
     for level in levels:
         for method in LOAD_METHODS:
@@ -218,7 +212,7 @@ def machine(device: str) -> dict:
         props = torch.cuda.get_device_properties(device)
         info.update(gpu=props.name, gpu_memory_gib=props.total_memory / 2**30, cuda=torch.version.cuda)
     try:
-        import triton
+        import triton  # the optional extra
 
         info["triton"] = triton.__version__
     except ImportError:
@@ -230,8 +224,6 @@ def _guarded(result: dict, where: dict, name: str, fn, out: Path, t_start: float
     """``where[name] = fn()``; an exception is recorded there (``{"error": ...}``, traceback logged)
     instead of ending the run, and the report is rewritten after every part (a run cut short still
     leaves what it measured)."""
-    from precache.bench.gpu_report import write_report
-
     try:
         where[name] = fn()
     except Exception as exc:  # one GPU attempt: keep the other parts' numbers
@@ -244,8 +236,6 @@ def _guarded(result: dict, where: dict, name: str, fn, out: Path, t_start: float
 def run(out: Path, dry_run: bool, device: str, budget_s: float) -> dict:
     """All three parts; writes ``gpu.json``, ``gpu.md`` and ``gpu.png`` under ``out`` after each.
     A part that raises is recorded as ``{"error": ...}`` and the next one runs."""
-    from precache.bench.gpu_kernel import kernel_vs_sdpa
-
     t_start = time.perf_counter()
 
     def seconds_left() -> float:

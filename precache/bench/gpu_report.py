@@ -97,7 +97,7 @@ def markdown(result: dict) -> str:
 
 def plot(result: dict, path: Path) -> None:
     """Three panels: kernel/SDPA ratio per case, TTFT per turn (q/v adapters), throughput under load."""
-    from precache.bench.plots import plt, save_figure
+    from precache.bench.plots import plt, save_figure  # matplotlib: only to draw
 
     fig, (ax_k, ax_t, ax_l) = plt.subplots(1, 3, figsize=(17, 4.5))
     cases = result["kernel"].get("cases", [])

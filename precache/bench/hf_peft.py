@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from precache.bench.replay import Replay
 from precache.bench.trace import Trace, TraceError
@@ -46,7 +47,7 @@ class HFPeftAgents:
     """
 
     def __init__(self, hf_model, adapters: dict[str, str | os.PathLike]):
-        from peft import PeftModel
+        from peft import PeftModel  # heavy, and only this baseline needs it
 
         if not adapters:
             raise TraceError("the hf-peft baseline needs at least one adapter")
@@ -91,8 +92,6 @@ class HFPeftAgents:
         Raises:
             TraceError: an agent has no adapter here, or the trace passes the context length.
         """
-        from transformers import DynamicCache
-
         unknown = [a for a in trace.agents if a not in self.agents]
         if unknown:
             raise TraceError(

@@ -14,9 +14,15 @@ import logging
 import os
 from pathlib import Path
 
-from precache.bench.common import check_method
+from rich.table import Table
+
+import precache
+from precache.bench.serve_cluster import run_cluster_bench
 from precache.bench.trace import Trace, TraceTurn, check_fits, load_trace
+from precache.cli_args import positive_int
+from precache.cluster import ClusterArgumentError
 from precache.errors import TraceError
+from precache.methods import METHOD_REGISTRY
 from precache.resources import adapter_set, trace_path
 from precache.server.cli import (
     adapters_from_args,
@@ -24,6 +30,8 @@ from precache.server.cli import (
     load_model_from_args,
     served_model_name,
 )
+from precache.server.config import ServerConfig
+from precache.terminal import console
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +66,6 @@ def run_serve_bench(
         TraceError: the trace passes the model's context length or names an unloaded adapter.
         UnknownMethodError: a method does not exist.
     """
-    import precache
-
     check_fits(trace, model.max_context)
     missing = [a for a in trace.agents if a not in adapters]
     if missing:
@@ -78,8 +84,10 @@ def run_serve_bench(
 
 def _run_level(engine, trace: Trace, sessions: int, qps: float, model_name: str, seed: int) -> dict:
     """One method at one request rate, on a fresh server: the summary of the replay."""
+    # the web stack and the openai client: loaded only when a benchmark serves
     from precache.bench.loadgen import replay, summarize
-    from precache.server import LiveServer, ServerConfig, create_app
+    from precache.server.app import create_app
+    from precache.server.live import LiveServer
 
     model = engine.model
     special = set(getattr(model.tokenizer, "all_special_ids", []) or []) | set(engine.eos_token_ids)
@@ -103,7 +111,7 @@ def _run_level(engine, trace: Trace, sessions: int, qps: float, model_name: str,
 
 def _warm_up(base_url: str, agent: str) -> None:
     """One short request, so the first measured one does not pay for lazy initialisation."""
-    import openai
+    import openai  # a test extra
 
     with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
         client.completions.create(model=agent, prompt=[7] * 8, max_tokens=2, temperature=0)
@@ -111,7 +119,7 @@ def _warm_up(base_url: str, agent: str) -> None:
 
 def plot_ttft_vs_qps(result: dict, path: str | os.PathLike) -> Path:
     """PNG: p50 (solid) and p90 (dashed) TTFT in seconds against the request rate, per method."""
-    from precache.bench.plots import plt, save_figure
+    from precache.bench.plots import plt, save_figure  # matplotlib: only to draw
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for method, per_qps in result["methods"].items():
@@ -125,9 +133,7 @@ def plot_ttft_vs_qps(result: dict, path: str | os.PathLike) -> Path:
     return save_figure(fig, path)
 
 
-def _table(result: dict):
-    from rich.table import Table
-
+def _table(result: dict) -> Table:
     table = Table(title=f"serving: {result['trace']}, {result['sessions']} trajectories")
     for header in (
         "method",
@@ -160,20 +166,16 @@ def _table(result: dict):
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from precache.terminal import console
-
     for name in ("httpx", "httpx2"):  # the openai client logs every request at INFO
         logging.getLogger(name).setLevel(logging.WARNING)
 
     trace = load_trace(trace_path(args.trace)) if args.trace else SMOKE_TRACE
     adapters = adapters_from_args(args) or adapter_set(args.adapters, trace.agents)
-    methods = [check_method(m.strip()) for m in args.methods.split(",") if m.strip()]
+    methods = [METHOD_REGISTRY.canonical(m.strip()) for m in args.methods.split(",") if m.strip()]
     routers = _routers(args)
     model = load_model_from_args(args)
     name = served_model_name(args, model)
     if routers:
-        from precache.bench.serve_cluster import run_cluster_bench
-
         result = run_cluster_bench(
             model,
             adapters,
@@ -204,8 +206,6 @@ def _routers(args: argparse.Namespace) -> list[str]:
         ClusterArgumentError: ``--router`` or ``--num-cpus-per-replica`` without ``--replicas``, or
         an unknown router name.
     """
-    from precache.cluster import ClusterArgumentError
-
     if args.replicas is None:
         for flag in ("router", "num_cpus_per_replica"):
             if getattr(args, flag) is not None:
@@ -233,18 +233,15 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
-def _positive_int(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
-
 def add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
     """Register ``serve`` on the ``precache bench`` sub-parsers."""
     p = bench_sub.add_parser("serve", help="serving benchmark: TTFT, latency, throughput vs request rate")
     add_engine_arguments(p)
-    p.add_argument("--methods", default="prelrshared,nonshared", help="comma-separated sharing methods")
+    p.add_argument(
+        "--methods",
+        default="prelrshared,nonshared",
+        help="comma-separated sharing methods: " + ", ".join(METHOD_REGISTRY.names),
+    )
     p.add_argument(
         "--adapters",
         default="qv",
@@ -253,7 +250,7 @@ def add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--qps", type=_rates, default="0.5,1,2,4", help="comma-separated request rates (requests/s)"
     )
-    p.add_argument("--sessions", type=_positive_int, default=4, help="concurrent trajectories")
+    p.add_argument("--sessions", type=positive_int, default=4, help="concurrent trajectories")
     p.add_argument(
         "--trace",
         default=None,
@@ -264,7 +261,7 @@ def add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", required=True, help="results file")
     p.add_argument("--plot", default=None, help="PNG: TTFT vs request rate")
     p.add_argument(
-        "--replicas", type=_positive_int, default=None, help="benchmark a Ray Serve cluster of N replicas"
+        "--replicas", type=positive_int, default=None, help="benchmark a Ray Serve cluster of N replicas"
     )
     p.add_argument(
         "--router", default=None, help="with --replicas: affinity | default | affinity,default (the default)"

@@ -11,6 +11,8 @@ import asyncio
 import logging
 
 from precache.bench.trace import Trace
+from precache.cluster import require_ray
+from precache.server.config import ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +39,8 @@ def run_cluster_bench(
     Raises:
         MissingExtraError: ``ray[serve]`` is not installed.
     """
-    from precache.cluster import require_ray
-
     require_ray()
-    import ray
+    import ray  # the optional extra, checked just above
 
     from precache.cluster.app import ClusterConfig, free_port, local_cpus
 
@@ -71,9 +71,8 @@ def run_cluster_bench(
 
 def _run_level(model, adapters, method, cluster, trace, sessions, qps, model_name, seed, port) -> dict:
     """One (method, router) at one request rate on a fresh cluster: the summary of the replay."""
-    from precache.bench.loadgen import replay, summarize
-    from precache.cluster.app import ClusterServer, EngineSpec, build_app
-    from precache.server.config import ServerConfig
+    from precache.bench.loadgen import replay, summarize  # the openai client (a test extra)
+    from precache.cluster.app import ClusterServer, EngineSpec, build_app  # ray
 
     spec = EngineSpec(str(model.path), adapters, method)
     app = build_app(
@@ -116,7 +115,7 @@ def _eos_ids(model) -> set[int]:
 async def _warm_up(base_url: str, agent: str, replicas: int) -> None:
     """Short requests from several new trajectories at once, so every replica pays its lazy
     initialisation before the measured load (they spread as new trajectories do)."""
-    import openai
+    import openai  # a test extra
 
     async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
         await asyncio.gather(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from precache.errors import OutOfBlocksError
+from precache.errors import CacheIntegrityError, OutOfBlocksError
 
 
 def _locked(method):
@@ -78,8 +78,6 @@ class BlockAllocator:
         Raises:
             CacheIntegrityError: a rule does not hold (the message names the block).
         """
-        from precache.errors import CacheIntegrityError
-
         for block in range(self.num_blocks):
             states = (self.ref[block] > 0) + (block in self.free) + (block in self.cached)
             if states != 1 or self.ref[block] < 0:

@@ -12,16 +12,25 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
+import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
+import torch
 from ray import serve
 from ray.serve.config import RequestRouterConfig
+from transformers import AutoConfig, AutoTokenizer
 
+import precache
 from precache.cluster.ingress import PrecacheIngress
 from precache.cluster.replica import PrecacheReplica
 from precache.cluster.routing import DEFAULT_ROUTING_BLOCK
+from precache.models.loader import checkpoint_name, resolve_checkpoint
+from precache.server.cli import adapters_from_args
+from precache.server.config import ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -100,10 +109,6 @@ class EngineSpec:
     device: str | None = None
 
     def __call__(self):
-        import torch
-
-        import precache
-
         dtype = getattr(torch, self.dtype) if self.dtype else None
         model = precache.load_model(self.model, dtype=dtype, device=self.device)
         return precache.Engine(
@@ -203,8 +208,6 @@ class ClusterServer:
 
 def free_port(host: str) -> int:
     """A TCP port free on ``host`` now."""
-    import socket
-
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -218,15 +221,6 @@ def local_cpus(cluster: ClusterConfig) -> int:
 def serve_from_args(args) -> int:
     """``precache serve --replicas N | --ray-address ADDR``: load the tokenizer here, the engines
     in the replicas, and serve until interrupted."""
-    import signal
-    import time
-
-    from transformers import AutoConfig, AutoTokenizer
-
-    from precache.models.loader import checkpoint_name, resolve_checkpoint
-    from precache.server.cli import adapters_from_args
-    from precache.server.config import ServerConfig
-
     folder = resolve_checkpoint(args.model)
     server_config = ServerConfig(
         model_name=args.served_model_name or Path(checkpoint_name(folder)).name,

@@ -25,6 +25,8 @@ from precache.cluster.replica import ForwardedRequest, ResponseStart
 from precache.cluster.routing import block_hashes
 from precache.server.codec import Codec
 from precache.server.errors import APIError, error_body
+from precache.server.prompts import chat_prompt, completion_prompt
+from precache.server.protocol import ChatRequest, CompletionRequest
 from precache.server.responses import sse
 
 logger = logging.getLogger(__name__)
@@ -53,9 +55,6 @@ def routing_codec(tokenizer, max_context: int, trust_special: bool = False) -> C
 def prompt_ids(path: str, body: bytes, codec, vocab_size: int) -> list[int]:
     """Token ids of a generation request's prompt, computed by the server's own protocol functions;
     ``[]`` for any other request or one the replica will refuse (it answers with the error)."""
-    from precache.server.prompts import chat_prompt, completion_prompt
-    from precache.server.protocol import ChatRequest, CompletionRequest
-
     try:
         if path == "/v1/completions":
             return completion_prompt(CompletionRequest.model_validate(json.loads(body)), codec, vocab_size)

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from precache.cluster.routing import block_hashes
+from precache.server.app import create_app
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +67,7 @@ class PrecacheReplica:
     :class:`~precache.server.config.ServerConfig`; ``block_size`` the routing block (tokens)."""
 
     def __init__(self, engine_factory: Callable, server_config, block_size: int):
-        from ray import serve
-
-        from precache.server.app import create_app
+        from ray import serve  # the optional extra: this module's records load without it
 
         self.app = create_app(engine_factory(), server_config)
         self.scheduler = self.app.state.scheduler

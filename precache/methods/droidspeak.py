@@ -14,8 +14,9 @@ With the range ``(0, L - 1)`` this is the agent's own forward: NonShared for tha
 
 The range comes from ``layers``, else from the profile stored with the adapters
 (``droidspeak.json`` in the folder that holds every adapter's folder, written by
-:func:`save_profile` or ``precache adapters profile-droidspeak``), else from :func:`profile`
-run once at construction on seeded random calibration tokens (logged).
+:func:`save_profile` or ``precache adapters profile-droidspeak``, which calibrates on a
+benchmark's text: :mod:`precache.agents.calibration`), else from :func:`profile` run once at
+construction on seeded random calibration tokens (logged).
 """
 
 from __future__ import annotations
@@ -130,10 +131,12 @@ def profile(
 ) -> dict:
     """The per-layer reuse error and the critical range (DroidSpeak's offline profile).
 
-    For every calibration sequence (default: 4 seeded random sequences of 96 tokens), every reader
-    c and author j != c: the first 3/4 of the tokens are the reused prefix; the error of layer l is
-    the mean KL(p_c || p_c,l) over the last quarter's next-token distributions, where p_c reads
-    c's own K/V at every layer and p_c,l reads j's at layer l only. ``layers`` is the contiguous
+    ``calibration``: token id sequences (a benchmark's text, as
+    :func:`precache.agents.calibration.calibration` makes them; default: 4 seeded random sequences
+    of 96 tokens). For every sequence, every reader c and author j != c: the first 3/4 of the
+    tokens are the reused prefix; the error of layer l is the mean KL(p_c || p_c,l) over the last
+    quarter's next-token distributions, where p_c reads c's own K/V at every layer and p_c,l reads
+    j's at layer l only. ``layers`` is the contiguous
     window of ``n_critical`` layers (default ``ceil(L / 3)``) with the largest summed error.
 
     With a single adapter the pair is that adapter and the base model (a turn with ``agent=None``
@@ -142,8 +145,8 @@ def profile(
 
     Returns ``{"num_layers", "adapters", "layer_errors": [L floats, nats], "layers": [first, last] | None,
     "calibration"}``, the last saying what the sequences were: ``calibration_name`` (e.g.
-    ``"scienceqa train[:4], at most 128 tokens each"``, :func:`calibration_name`), else ``"random: 4 x 96 tokens,
-    seed S"`` or ``"N given sequences"``.
+    ``"scienceqa train[:4], at most 128 tokens each"``), else ``"random: 4 x 96 tokens, seed S"``
+    or ``"N given sequences"``.
 
     Raises:
         ValueError: ``n_critical`` outside ``1..L``.
@@ -249,117 +252,4 @@ def save_profile(model, adapters: dict, folder: str | Path | None = None, **opti
     return path
 
 
-def calibration_text(question, benchmark: str) -> str:
-    """The calibration text of one question of ``benchmark``: HotpotQA, the question then one line
-    ``title: sentences`` per paragraph; ScienceQA, the question with its ``Options:`` line, then the
-    image's caption and OCR text as the ``Image`` tool shows them (questions with an image only).
-
-    Raises:
-        UnknownBenchmarkError: ``benchmark`` is neither.
-    """
-    if benchmark == "hotpotqa":
-        return (
-            question.question
-            + "\n"
-            + "\n".join(f"{title}: {''.join(sents)}" for title, sents in question.context)
-        )
-    if benchmark == "scienceqa":
-        from precache.agents.scienceqa_tools import image_observation
-
-        return question.question + (f"\n{image_observation(question)}" if question.has_image else "")
-    from precache.agents.benchmark import get_benchmark
-
-    get_benchmark(benchmark)  # raises, naming the known ones
-    raise AssertionError(f"no calibration text for benchmark {benchmark!r}")
-
-
-def calibration(tokenizer, benchmark: str = "hotpotqa", n: int = 4, tokens: int = 128) -> list[list[int]]:
-    """Calibration sequences from the first ``n`` train questions of ``benchmark``
-    (:func:`calibration_text`), the first ``tokens`` token ids of each. The committed HotpotQA
-    profiles were made with ``benchmark="hotpotqa"``, the ScienceQA one with ``"scienceqa"``
-    (:func:`calibration_name` says which in the file).
-
-    Raises:
-        UnknownBenchmarkError: not a benchmark.
-    """
-    from precache.agents.benchmark import get_benchmark
-
-    questions = get_benchmark(benchmark).load_questions("train")[:n]
-    return [
-        tokenizer(calibration_text(q, benchmark), add_special_tokens=False)["input_ids"][:tokens]
-        for q in questions
-    ]
-
-
-def calibration_name(benchmark: str, n: int = 4, tokens: int = 128) -> str:
-    """What :func:`calibration` with these arguments is, as the profile records it."""
-    return f"{benchmark} train[:{n}], at most {tokens} tokens each"
-
-
-def adapter_folders(adapters: str, benchmark: str = "hotpotqa") -> dict[str, Path]:
-    """The adapter folders by agent of a committed set (``qv``, ``all``) trained on ``benchmark``,
-    or of a folder ``DIR/<agent>/`` (whatever the benchmark).
-
-    Raises:
-        UnknownBenchmarkError: not a benchmark.
-        AdapterError: the set was not trained for the benchmark, or the folder holds no adapter.
-    """
-    from precache.agents.benchmark import get_benchmark
-    from precache.resources import adapter_set
-
-    return adapter_set(get_benchmark(benchmark).adapters(adapters))
-
-
-def _profile_command(args) -> int:
-    from precache.lora.adapter import load_adapter
-    from precache.models import load_model
-
-    folders = adapter_folders(args.adapters, args.benchmark)  # checked before the model loads
-    model = load_model(args.model)
-    adapters = {a: load_adapter(folder, model.config, a) for a, folder in folders.items()}
-    path = save_profile(
-        model,
-        adapters,
-        n_critical=args.n_critical,
-        calibration=calibration(model.tokenizer, args.benchmark),
-        calibration_name=calibration_name(args.benchmark),
-    )
-    logger.info("wrote %s: critical layers %s", path, json.loads(path.read_text())["layers"])
-    return 0
-
-
-def add_profile_command(adapters_sub) -> None:
-    """Register ``precache adapters profile-droidspeak --adapters qv|all|DIR [--benchmark
-    hotpotqa|scienceqa] [--model DIR] [--n-critical N]``: profile the adapter set (a committed set
-    is the one trained on the benchmark) on the base model over the benchmark's first 4 train
-    questions (:func:`calibration`) and write ``droidspeak.json`` next to the adapters."""
-    from precache.agents.benchmark import BENCHMARKS
-
-    p = adapters_sub.add_parser(
-        "profile-droidspeak", help="DroidSpeak's critical layers for an adapter set (droidspeak.json)"
-    )
-    p.add_argument("--adapters", default="qv", help="qv | all (committed sets) | DIR with DIR/<agent>/")
-    p.add_argument(
-        "--benchmark",
-        choices=tuple(BENCHMARKS),
-        default="hotpotqa",
-        help="whose committed set (qv, all) and whose first 4 train questions calibrate",
-    )
-    p.add_argument("--model", help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--n-critical", type=int, default=None, help="layers in the range (default: L / 3)")
-    p.set_defaults(func=_profile_command)
-
-
-__all__ = [
-    "PROFILE_FILE",
-    "DroidSpeak",
-    "adapter_folders",
-    "add_profile_command",
-    "calibration",
-    "calibration_name",
-    "calibration_text",
-    "profile",
-    "profile_path",
-    "read_profile",
-    "save_profile",
-]
+__all__ = ["PROFILE_FILE", "DroidSpeak", "profile", "profile_path", "read_profile", "save_profile"]

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from precache.errors import ModelLoadError
-from precache.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from precache.models.config import MODEL_REGISTRY, ModelConfig
 from precache.models.contract import AttentionBackend, LayerInput, Row
 from precache.models.llama import DenseAttention, LlamaModel, dense_logits
 from precache.models.loader import checkpoint_name, embedded_checkpoint, resolve_checkpoint
@@ -39,8 +40,6 @@ def load_model(
         ModelLoadError: the path is missing, malformed, not a Llama-family architecture, has a
             config field we do not implement, or has no (readable) tokenizer.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     if dtype is None:
         dtype = torch.bfloat16 if torch.device(device or "cpu").type == "cuda" else torch.float32
     folder = resolve_checkpoint(path)
@@ -57,8 +56,6 @@ def load_model(
 
 
 def _load_tokenizer(folder, required: bool):
-    from transformers import AutoTokenizer
-
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         if not required:
             return None
@@ -73,8 +70,6 @@ def _load_tokenizer(folder, required: bool):
 
 
 def _load_generation_config(folder):
-    from transformers import GenerationConfig
-
     if not (folder / "generation_config.json").is_file():
         return None
     try:
@@ -103,10 +98,6 @@ def model_from_hf(
     model = MODEL_REGISTRY[config.model_type](config, hf_model.config, state, tokenizer, path, max_context)
     model.generation_config = generation_config or getattr(hf_model, "generation_config", None)
     return model
-
-
-#: our forward by HF ``model_type``; a new family is one module registered here
-MODEL_REGISTRY: dict[str, type[LlamaModel]] = {name: LlamaModel for name in SUPPORTED_MODEL_TYPES}
 
 
 __all__ = [

@@ -26,11 +26,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from transformers.activations import ACT2CLS, ACT2FN
+
 from precache.errors import ModelLoadError
 from precache.models.rope import check_rope
+from precache.registry import Registry
 
-#: HF ``model_type`` values our Llama-family forward implements.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+#: our forward (a model class) by HF ``model_type``; a family's module registers it (``llama.py``)
+MODEL_REGISTRY: Registry[type] = Registry("model_type", ModelLoadError)
 #: ``layer_types`` entries we implement (Qwen2/Qwen3 configs)
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -96,11 +99,7 @@ class ModelConfig:
             ModelLoadError: the ``model_type`` is not a Llama-family architecture we implement, or a
                 field changes the forward in a way we do not implement (the message names it).
         """
-        model_type = getattr(hf_config, "model_type", "")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelLoadError(
-                f"model_type '{model_type}' is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
+        model_type = MODEL_REGISTRY.canonical(getattr(hf_config, "model_type", None) or "")
         _check_quantization(hf_config)
         check_rope(hf_config)
         num_heads = hf_config.num_attention_heads
@@ -145,8 +144,6 @@ def _check_quantization(hf_config) -> None:
 
 def _activation(hf_config) -> str:
     """``hidden_act`` if transformers' ``ACT2FN`` has it without learnable parameters."""
-    from transformers.activations import ACT2CLS, ACT2FN
-
     name = getattr(hf_config, "hidden_act", "silu")
     if name not in ACT2CLS:
         raise ModelLoadError(

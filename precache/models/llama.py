@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from precache.errors import ContextLengthError, ModelLoadError
-from precache.models.config import ModelConfig
+from precache.models.config import MODEL_REGISTRY, ModelConfig
 from precache.models.contract import AttentionBackend, LayerInput, Row
 from precache.models.rope import RotaryEmbedding, static_position_limit
 
@@ -254,3 +254,10 @@ def dense_logits(
     positions = torch.cat([torch.arange(len(seq), device=model.device) for seq in sequences])
     logits = model.forward(ids, positions, rows, DenseAttention(rows), logits_at=list(range(start)))
     return [logits[row.slice] for row in rows]
+
+
+# the HF families this forward implements (their differences are ModelConfig fields)
+MODEL_REGISTRY.register("llama", LlamaModel)
+MODEL_REGISTRY.register("mistral", LlamaModel)
+MODEL_REGISTRY.register("qwen2", LlamaModel)
+MODEL_REGISTRY.register("qwen3", LlamaModel)

@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from precache.errors import ModelLoadError
 
@@ -62,8 +63,6 @@ def convert_gguf(gguf_file: Path, out_dir: Path, name: str | None = None) -> Pat
     A GGUF-loaded model refuses ``save_pretrained``, so its state dict is copied into a fresh
     model of the same config first. Returns ``out_dir``.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     logger.info("converting %s to safetensors under %s (once)", gguf_file, out_dir)
     folder, file_name = str(gguf_file.parent), gguf_file.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file_name)

@@ -1,7 +1,8 @@
 """``precache serve``: the OpenAI-compatible server (vLLM-style flags, loopback by default).
 
 The address is bound before the model loads, so a taken port is one line and exit code 2 at once;
-"serving on ..." is logged only once the server accepts connections.
+"serving on ..." is logged only once the server accepts connections. The scale-out flags
+(``--replicas``) are added to this command by :mod:`precache.cluster.cli`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,15 @@ import logging
 import socket
 from pathlib import Path
 
+import torch
+
+import precache
+from precache.cli_args import positive_int
 from precache.errors import AdapterError, PrecacheError
-from precache.server.config import DEFAULT_MAX_REQUEST_BYTES
+from precache.methods import METHOD_REGISTRY
+from precache.resources import adapter_set
+from precache.server.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
+from precache.server.tenants import APIKeyError, read_api_keys
 
 logger = logging.getLogger(__name__)
 
@@ -46,17 +54,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def positive_int(item: str) -> int:
-    """An integer >= 1 (an argparse ``type``)."""
-    try:
-        value = int(item)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes an integer, got {item!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def lora_module(item: str) -> tuple[str, str]:
     """``"plan=DIR"`` -> ``("plan", "DIR")`` (an argparse ``type``).
 
@@ -78,8 +75,6 @@ def adapters_from_args(args: argparse.Namespace) -> dict[str, str]:
     """
     out: dict[str, str] = {}
     if getattr(args, "adapter_set", None):  # serve --adapters NAME|DIR: every adapter of the set
-        from precache.resources import adapter_set
-
         out = {name: str(path) for name, path in adapter_set(args.adapter_set).items()}
     from_set = set(out)
     for name, path in args.lora_modules:
@@ -118,10 +113,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_model_from_args(args: argparse.Namespace):
     """The model of ``--model/--dtype/--device`` (raises ModelLoadError)."""
-    import torch
-
-    import precache
-
     dtype = getattr(torch, args.dtype) if args.dtype else None
     return precache.load_model(args.model, dtype=dtype, device=args.device)
 
@@ -135,19 +126,12 @@ def served_model_name(args: argparse.Namespace, model) -> str:
     return Path(name).name if name else "base"
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from precache.cluster import cluster_requested
-
-    if cluster_requested(args):  # --replicas / --ray-address: replicas on Ray Serve
-        _refuse_single_process_flags(args)
-        from precache.cluster.app import serve_from_args
-
-        return serve_from_args(args)
+def serve(args: argparse.Namespace) -> int:
+    """``precache serve`` in this process: bind, load the model, run uvicorn until interrupted."""
+    # the web stack: loaded only when a server runs (the CLI's parser and the core do not need it)
     import uvicorn
 
-    import precache
     from precache.server.app import create_app
-    from precache.server.config import ServerConfig
 
     adapters = adapters_from_args(args)
     api_keys = api_keys_from_args(args)
@@ -195,33 +179,12 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _refuse_single_process_flags(args: argparse.Namespace) -> None:
-    """The security flags the Ray Serve ingress does not apply yet: refused, never dropped."""
-    given = [
-        flag
-        for flag, on in (
-            ("--api-key", bool(getattr(args, "api_key", None))),
-            ("--api-keys", bool(getattr(args, "api_keys", None))),
-            ("--trust-client-special-tokens", getattr(args, "trust_client_special_tokens", False)),
-            (
-                "--max-request-bytes",
-                getattr(args, "max_request_bytes", None) not in (None, DEFAULT_MAX_REQUEST_BYTES),
-            ),
-        )
-        if on
-    ]
-    if given:
-        raise PrecacheError(f"{', '.join(given)}: not supported with --replicas / --ray-address yet")
-
-
 def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:
     """``--api-key`` (repeatable) and the keys of ``--api-keys FILE``, in order, without repeats.
 
     Raises:
         APIKeyError: the file cannot be read or holds no key; a key is empty.
     """
-    from precache.server.tenants import APIKeyError, read_api_keys
-
     keys = list(getattr(args, "api_key", None) or [])
     if getattr(args, "api_keys", None):
         keys += read_api_keys(args.api_keys)
@@ -231,9 +194,7 @@ def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    """Register ``precache serve``."""
-    from precache.methods import METHODS
-
+    """Register ``precache serve`` (single process; :mod:`precache.cluster.cli` adds ``--replicas``)."""
     p = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching and prefix reuse")
     add_engine_arguments(p)
     p.add_argument(
@@ -243,7 +204,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         metavar="NAME|DIR",
         help="serve every adapter of a committed set (qv, all) or of DIR/<agent>/ (with --lora-modules: both)",
     )
-    p.add_argument("--method", default="prelrshared", choices=(*METHODS, "rebaseshared"))
+    p.add_argument("--method", default="prelrshared", choices=METHOD_REGISTRY.choices)
     p.add_argument("--served-model-name", default=None, help="API id of the base model")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
@@ -286,17 +247,4 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="seconds SIGTERM waits for running requests before cancelling them (default 30)",
     )
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill tokens per forward")
-    p.add_argument(
-        "--replicas",
-        type=int,
-        default=None,
-        help="N engine replicas on Ray Serve (pip install precache[cluster])",
-    )
-    p.add_argument("--ray-address", default=None, help="join this Ray cluster (auto, HOST:6379) instead")
-    p.add_argument(
-        "--num-cpus-per-replica", type=float, default=None, help="Ray CPUs per replica (default 1)"
-    )
-    p.add_argument(
-        "--num-gpus-per-replica", type=float, default=None, help="Ray GPUs per replica (default 0)"
-    )
-    p.set_defaults(func=_serve)
+    p.set_defaults(func=serve)

@@ -1,0 +1,71 @@
+"""``precache serve --replicas N | --ray-address ADDR``: the scale-out flags of ``precache serve``.
+
+:mod:`precache.server.cli` owns ``serve`` and runs it in one process; this module, registered
+after it, adds the scale-out flags to that parser and runs the command on Ray Serve when they
+ask for it (so the server never imports the cluster). Ray stays an optional extra: it is imported
+only when a cluster is asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from precache.cluster import cluster_requested
+from precache.errors import PrecacheError
+from precache.server.config import DEFAULT_MAX_REQUEST_BYTES
+
+
+def refuse_single_process_flags(args: argparse.Namespace) -> None:
+    """The security flags the Ray Serve ingress does not apply yet: refused, never dropped.
+
+    Raises:
+        PrecacheError: one of them is given; the message names them.
+    """
+    given = [
+        flag
+        for flag, on in (
+            ("--api-key", bool(getattr(args, "api_key", None))),
+            ("--api-keys", bool(getattr(args, "api_keys", None))),
+            ("--trust-client-special-tokens", getattr(args, "trust_client_special_tokens", False)),
+            (
+                "--max-request-bytes",
+                getattr(args, "max_request_bytes", None) not in (None, DEFAULT_MAX_REQUEST_BYTES),
+            ),
+        )
+        if on
+    ]
+    if given:
+        raise PrecacheError(f"{', '.join(given)}: not supported with --replicas / --ray-address yet")
+
+
+def _serve_or_scale_out(single_process: Callable[[argparse.Namespace], int]):
+    def run(args: argparse.Namespace) -> int:
+        if not cluster_requested(args):
+            return single_process(args)
+        refuse_single_process_flags(args)
+        from precache.cluster.app import serve_from_args  # ray: present, cluster_requested checked
+
+        return serve_from_args(args)
+
+    return run
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Add ``--replicas``, ``--ray-address``, ``--num-cpus-per-replica`` and
+    ``--num-gpus-per-replica`` to ``precache serve`` (registered before by :mod:`precache.server.cli`)."""
+    serve = sub.choices["serve"]
+    serve.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="N engine replicas on Ray Serve (pip install precache[cluster])",
+    )
+    serve.add_argument("--ray-address", default=None, help="join this Ray cluster (auto, HOST:6379) instead")
+    serve.add_argument(
+        "--num-cpus-per-replica", type=float, default=None, help="Ray CPUs per replica (default 1)"
+    )
+    serve.add_argument(
+        "--num-gpus-per-replica", type=float, default=None, help="Ray GPUs per replica (default 0)"
+    )
+    serve.set_defaults(func=_serve_or_scale_out(serve.get_default("func")))
