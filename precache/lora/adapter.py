@@ -59,6 +59,7 @@ class LoRAAdapter:
     path: str = ""
     ranks: dict[tuple[int, str], int] = field(default_factory=dict, repr=False)
     biases: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)
+    _up_stacks: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def has(self, layer: int, proj: str) -> bool:
         return (layer, proj) in self.weights
@@ -80,6 +81,22 @@ class LoRAAdapter:
     def nbytes(self) -> int:
         tensors = [t for ab in self.weights.values() for t in ab] + list(self.biases.values())
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def up_stack(self, proj: str, num_layers: int, num_kv_heads: int) -> torch.Tensor:
+        """``s B`` of ``proj`` at every layer, by KV head: ``[num_layers, num_kv_heads, rank, head_dim]``
+        (zeros at layers without a LoRA on ``proj``), what a fused attention kernel adds to the
+        base keys or values (``Vb + s (P Lv) B``; DESIGN.md, Notation). Built once per adapter."""
+        key = (proj, num_layers, num_kv_heads)
+        if key not in self._up_stacks:
+            a, b = next(iter(self.weights.values()))
+            d_out = next((w[1].shape[1] for (_, p), w in self.weights.items() if p == proj), num_kv_heads)
+            out = torch.zeros(num_layers, self.rank, d_out, dtype=b.dtype, device=b.device)
+            for layer in range(num_layers):
+                if self.has(layer, proj):
+                    out[layer] = self.weights[(layer, proj)][1] * self.scaling
+            head_dim = d_out // num_kv_heads
+            self._up_stacks[key] = out.view(num_layers, self.rank, num_kv_heads, head_dim).transpose(1, 2)
+        return self._up_stacks[key]
 
     def to(self, dtype: torch.dtype, device=None) -> LoRAAdapter:
         weights = {

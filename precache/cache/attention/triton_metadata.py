@@ -155,21 +155,26 @@ def _row_ranks(tables: _Tables, num_layers: int) -> tuple[torch.Tensor, torch.Te
 
 def _adapter_stacks(adapters: list, model, r_pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(sB^k, rot(sB^k), sB^v)`` ``[n_layers, n_adapters, Hkv, r_pad, D]`` (zeros where a layer
-    has no LoRA on the projection), ``rot`` = RoPE's rotate-half on each head's columns. A few ops
-    per adapter and projection: every layer's ``B`` ``[rank, Hkv * D]`` stacked at once."""
+    has no LoRA on the projection), ``rot`` = RoPE's rotate-half on each head's columns, from each
+    adapter's own stacks (:meth:`~precache.lora.adapter.LoRAAdapter.up_stack`, built once)."""
     c = model.config
-    hkv, d = c.num_kv_heads, c.head_dim
-    shape = (c.num_layers, len(adapters), hkv, r_pad, d)
-    bk, bv = (torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(2))
-    for i, adapter in enumerate(adapters):
-        for proj, dst in (("k_proj", bk), ("v_proj", bv)):
-            layers = [layer for layer in range(c.num_layers) if adapter.has(layer, proj)]
-            if not layers:
-                continue
-            b = torch.stack([adapter.weights[(layer, proj)][1] for layer in layers]) * adapter.scaling
-            n, rank = b.shape[:2]  # [n, rank, Hkv * D]
-            at = slice(layers[0], layers[-1] + 1) if layers[-1] - layers[0] == n - 1 else layers
-            dst[at, i, :, :rank] = b.view(n, rank, hkv, d).transpose(1, 2)
+    d = c.head_dim
+
+    def stacked(proj: str) -> torch.Tensor:
+        per = []
+        for adapter in adapters:
+            if proj in adapter.targets:
+                up = adapter.up_stack(proj, c.num_layers, c.num_kv_heads)  # [L, Hkv, rank, D]
+                per.append(torch.nn.functional.pad(up, (0, 0, 0, r_pad - up.shape[2])))
+            else:
+                per.append(
+                    torch.zeros(
+                        c.num_layers, c.num_kv_heads, r_pad, d, dtype=model.dtype, device=model.device
+                    )
+                )
+        return torch.stack(per, dim=1).to(model.dtype)
+
+    bk, bv = stacked("k_proj"), stacked("v_proj")
     half = d // 2
     bkrot = torch.cat((-bk[..., half:], bk[..., :half]), dim=-1)
     return bk, bkrot, bv
