@@ -76,11 +76,12 @@ def main() -> None:
         for repeat in range(args.repeats):
             deadline = time.monotonic() + args.deadline
             t0 = time.perf_counter()
+            url = f"http://127.0.0.1:{port}"
+            keys = [1000 * repeat + k for k in range(args.requests)]
             with ThreadPoolExecutor(args.requests) as pool:
                 out = list(
                     pool.map(
-                        lambda k: _ask(f"http://127.0.0.1:{port}", 1000 * repeat + k, args.max_tokens, deadline),
-                        range(args.requests),
+                        _ask, [url] * len(keys), keys, [args.max_tokens] * len(keys), [deadline] * len(keys)
                     )
                 )
             wall = time.perf_counter() - t0

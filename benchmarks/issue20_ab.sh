@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue 20, old against new in one run on a quiet machine: TTFT and decode of paper_L1024 and
+# short_turns (PreLRShared and the NonShared reference, 3 repeats), the 32-conversation server
+# load (3 repeats), and the livelock case (16 requests on a 76-block pool, 3 repeats; a side that
+# does not answer every request by the deadline stops there).
+# Usage: OLD=<checkout of the old code> benchmarks/issue20_ab.sh [OUT]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OLD=${OLD:?set OLD to a checkout of the code before the change}
+OUT=${1:-benchmarks/results/issue20}
+PY=$PWD/.venv/bin/python
+export HF_HUB_OFFLINE=1
+mkdir -p "$OUT"
+for side in old new; do
+  if [ "$side" = old ]; then SRC=$OLD; else SRC=$PWD; fi
+  run() { PYTHONPATH=$SRC "$PY" "$@"; }
+  run -m precache.cli bench trace --trace paper_L1024 --adapters qv --methods prelrshared --no-hf-peft \
+    --repeats 3 --threads 2 --json "$OUT/trace_L1024_$side.json"
+  run -m precache.cli bench trace --trace short_turns --adapters qv --methods prelrshared --no-hf-peft \
+    --repeats 3 --threads 2 --json "$OUT/trace_short_$side.json"
+  for seed in 1 2 3; do
+    run -m precache.cli bench serve --adapters qv --methods prelrshared --qps 4 --sessions 32 \
+      --seed $seed --json "$OUT/serve32_${side}_$seed.json"
+  done
+  run benchmarks/livelock.py --requests 16 --repeats 3 --deadline 150 | tee "$OUT/livelock_$side.jsonl"
+done
+"$PY" benchmarks/issue20_report.py "$OUT"

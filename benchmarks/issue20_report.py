@@ -1,0 +1,58 @@
+"""The markdown table of benchmarks/issue20_ab.sh's results: min / median / max over the repeats."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def spread(values: list[float], fmt: str = "{:.2f}") -> str:
+    if not values:
+        return "n/a"
+    return " / ".join(fmt.format(v) for v in (min(values), statistics.median(values), max(values)))
+
+
+def trace_rows(out: Path, name: str) -> list[str]:
+    rows = []
+    for side in ("old", "new"):
+        d = json.loads((out / f"trace_{name}_{side}.json").read_text())
+        for method, m in d["methods"].items():
+            runs = m["runs"]
+            ttft = [r["ttft_s"] for r in runs]
+            decode = [r["decode_tok_s"] for r in runs]
+            rows.append(f"| {name} | {side} | {method} | {spread(ttft)} | {spread(decode, '{:.1f}')} |")
+    return rows
+
+
+def main(out: Path) -> None:
+    print("| trace | code | method | sum TTFT s (min / median / max) | decode tok/s (min / median / max) |")
+    print("|---|---|---|---|---|")
+    for name in ("L1024", "short"):
+        print("\n".join(trace_rows(out, name)))
+    print()
+    print("| code | 32-conversation load: throughput tok/s | TTFT p50 s | errors |")
+    print("|---|---|---|---|")
+    for side in ("old", "new"):
+        runs = [json.loads(p.read_text()) for p in sorted(out.glob(f"serve32_{side}_*.json"))]
+        stats = [next(iter(r["methods"]["prelrshared"].values())) for r in runs]
+        print(
+            f"| {side} | {spread([s['throughput_tok_s'] for s in stats])} | "
+            f"{spread([s['ttft_p50_s'] for s in stats], '{:.3f}')} | {sum(s['errors'] for s in stats)} |"
+        )
+    print()
+    print("| code | livelock: answered / 16 | 5xx | wall s | tok/s |")
+    print("|---|---|---|---|---|")
+    for side in ("old", "new"):
+        reps = [
+            json.loads(line) for line in (out / f"livelock_{side}.jsonl").read_text().splitlines() if line
+        ]
+        print(
+            f"| {side} | {', '.join(str(r['answered']) for r in reps)} | {sum(r['5xx'] for r in reps)} | "
+            f"{spread([r['wall_s'] for r in reps], '{:.1f}')} | {spread([r['tokens_per_s'] for r in reps])} |"
+        )
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/issue20"))
