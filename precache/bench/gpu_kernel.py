@@ -20,6 +20,8 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from precache.cache.attention import BatchMetadata, RowAttention, get_backend
 from precache.cache.pool import KVPool, LRView, PagedStore
@@ -91,9 +93,6 @@ def _timed(fn, cuda: bool, repeats: int) -> float:
 def _sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: bool):
     """SDPA over dense ``q`` ``[B, Hq, T, D]``, ``k``/``v`` ``[B, Hkv, S, D]`` (flash on CUDA), with a
     bottom-right causal mask for a continuation."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.bias import causal_lower_right
-
     mask = causal_lower_right(q.shape[2], k.shape[2]) if causal_offset else None
     backends = [SDPBackend.FLASH_ATTENTION] if q.is_cuda else [SDPBackend.MATH]
 
