@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from precache.bench import plots, report
+from precache.bench import episodes, plots, report
 from precache.bench.episodes import RecordingSession, run_fidelity, summarize_turns
 from precache.bench.fidelity import compare_trajectory, forced_turn, kl_top1
 from precache.engine import Turn
@@ -186,10 +186,8 @@ def _fake_episode(session, question, max_new_tokens=3, **_):
 
 
 def test_run_fidelity_and_reports(tiny, monkeypatch, tmp_path):
-    import precache.agents.loop
-
     model, dirs, _ = tiny
-    monkeypatch.setattr(precache.agents.loop, "run_episode", _fake_episode)
+    monkeypatch.setattr(episodes, "run_episode", _fake_episode)
     engines = {
         m: make_engine(model, dirs, m, prefix_caching=False)
         for m in ("nonshared", "fullshared", "prelrshared")

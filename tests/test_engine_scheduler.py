@@ -234,16 +234,15 @@ def test_run_concurrently_keeps_the_order_and_raises_the_first_error():
 
 
 def test_fidelity_with_concurrency_equals_the_sequential_run(tiny, monkeypatch):
-    import precache.agents.loop
-    from precache.bench.episodes import run_fidelity
+    from precache.bench import episodes
     from tests.test_bench_fidelity import _fake_episode, _Question
 
     model, dirs, _ = tiny
-    monkeypatch.setattr(precache.agents.loop, "run_episode", _fake_episode)
+    monkeypatch.setattr(episodes, "run_episode", _fake_episode)
     engines = {m: make_engine(model, dirs, m) for m in ("nonshared", "prelrshared", "rebaseshared-db")}
     questions = [_Question(f"q{i}", str(i)) for i in range(4)]
-    one = run_fidelity(engines, questions, max_new_tokens=3)
-    four = run_fidelity(engines, questions, concurrency=4, max_new_tokens=3)
+    one = episodes.run_fidelity(engines, questions, max_new_tokens=3)
+    four = episodes.run_fidelity(engines, questions, concurrency=4, max_new_tokens=3)
     for name in engines:
         assert four["methods"][name]["answers"] == one["methods"][name]["answers"]
         assert [r["question"] for r in four["per_turn"][name]] == [
