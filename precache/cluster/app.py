@@ -224,7 +224,6 @@ def serve_from_args(args) -> int:
     folder = resolve_checkpoint(args.model)
     server_config = ServerConfig(
         model_name=args.served_model_name or Path(checkpoint_name(folder)).name,
-        max_cache_bytes=args.max_cache_bytes,
         max_running=args.max_num_seqs,
         max_step_tokens=args.max_num_batched_tokens,
     )

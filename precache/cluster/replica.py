@@ -70,7 +70,7 @@ class PrecacheReplica:
         from ray import serve  # the optional extra: this module's records load without it
 
         self.app = create_app(engine_factory(), server_config)
-        self.scheduler = self.app.state.scheduler
+        self.scheduler = self.app.state.loop
         self.scheduler.start()  # what the app's lifespan does; a replica has no uvicorn to run it
         self.block_size = block_size
         self.name = serve.get_replica_context().replica_id.unique_id

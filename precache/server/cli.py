@@ -26,6 +26,20 @@ from precache.server.tenants import APIKeyError, read_api_keys
 logger = logging.getLogger(__name__)
 
 
+class RemovedOption(argparse.Action):
+    """``--max-cache-bytes``: refused by name. The block pool is the server's only KV-cache budget
+    (idle sessions are dropped, least recently used first, when the engine needs their blocks)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs="?", **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(
+            f"{option_string} is gone: the KV block pool is the only cache budget "
+            "(idle sessions are dropped when it needs their blocks); use --kv-cache-bytes"
+        )
+
+
 class BindError(PrecacheError):
     """``--host``/``--port`` cannot be bound (taken, not an address of this machine, no permission)."""
 
@@ -146,7 +160,6 @@ def serve(args: argparse.Namespace) -> int:
     engine = precache.Engine(model, adapters=adapters, method=args.method, kv_cache_bytes=args.kv_cache_bytes)
     config = ServerConfig(
         model_name=name,
-        max_cache_bytes=args.max_cache_bytes,
         max_running=args.max_num_seqs,
         max_step_tokens=args.max_num_batched_tokens,
         api_keys=api_keys,
@@ -214,12 +227,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="KV block pool, allocated once (default: n_agents + 2 caches at the context length)",
     )
-    p.add_argument(
-        "--max-cache-bytes",
-        type=int,
-        default=2 * 1024**3,
-        help="budget of the sessions' caches; idle sessions past it are evicted, least recently used first",
-    )
+    p.add_argument("--max-cache-bytes", action=RemovedOption, help=argparse.SUPPRESS)
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests batched at once")
     p.add_argument(
         "--api-key",
