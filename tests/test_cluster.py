@@ -16,9 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from precache.cache.prefix import chain_hashes
 from precache.cli import main
 from precache.cluster.replica import REPLICA_HEADER, trajectory_holdings
-from precache.cluster.routing import AffinityTable, block_hashes
+from precache.cluster.routing import ROUTING_KEY, AffinityTable, block_hashes
 from tests.test_server_support import BASE, live, tiny_engine, tiny_with_tokenizer
 
 BLOCK = 4  # routing block (tokens): the tiny model's prompts are short
@@ -91,10 +92,21 @@ def test_reports_replace_holdings_sends_expire_and_dead_replicas_are_forgotten()
 
 def test_trajectory_holdings_report_every_block_and_each_prompt_end():
     trajectory = list(range(30))  # prompt of 22 tokens + 8 generated
-    stats = trajectory_holdings([(trajectory, 22), (list(range(100, 103)), 3)], BLOCK)
+    stats = trajectory_holdings([(trajectory, 22, None), (list(range(100, 103)), 3, None)], BLOCK)
     hashes = block_hashes(trajectory, BLOCK)
     assert stats["blocks"] == sorted(hashes) and stats["anchors"] == [hashes[22 // BLOCK - 1]]
     assert stats["sessions"] == 2
+    # another tenant's trajectory is hashed in its own chain: the router never sends a prompt to it
+    salted = trajectory_holdings([(trajectory, 22, "salt:b")], BLOCK)
+    assert not set(salted["blocks"]) & set(hashes)
+    assert salted["blocks"] == sorted(block_hashes(trajectory, BLOCK, "salt:b"))
+
+
+def test_routing_hashes_are_the_engines_prefix_chain():
+    ids = list(range(40))
+    assert block_hashes(ids, BLOCK, "t") == [
+        h & ((1 << 63) - 1) for h in chain_hashes(ids, BLOCK, ROUTING_KEY, "t")
+    ]
 
 
 def test_serve_without_ray_says_how_to_install_it(monkeypatch, capsys):

@@ -28,6 +28,7 @@ from precache.server.errors import APIError, error_body
 from precache.server.prompts import chat_prompt, completion_prompt
 from precache.server.protocol import ChatRequest, CompletionRequest
 from precache.server.responses import sse
+from precache.server.tenants import Tenants
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,16 @@ def prompt_ids(path: str, body: bytes, codec, vocab_size: int) -> list[int]:
     except Exception:  # a bug: route as a new trajectory, but say so
         logger.warning("cannot tokenize a %s request for routing", path, exc_info=True)
     return []
+
+
+def request_tenant(body: bytes) -> str | None:
+    """The tenant a replica's server gives the request (the cluster serves without API keys: its
+    ``cache_salt`` alone), so the prompt is hashed in the same chain as that tenant's sessions."""
+    try:
+        salt = json.loads(body).get("cache_salt")
+    except (ValueError, AttributeError):
+        return None
+    return Tenants.tenant(None, salt if isinstance(salt, str) else None)
 
 
 async def _until_first_bytes(stream) -> tuple[ResponseStart, list[bytes], bool]:
@@ -142,7 +153,7 @@ class PrecacheIngress:
             request.url.query,
             tuple(request.headers.items()),
             body,
-            tuple(block_hashes(ids, self.block_size)),
+            tuple(block_hashes(ids, self.block_size, request_tenant(body) if ids else None)),
         )
         for attempt in range(1, self.attempts + 1):
             stream = self.replicas.handle.remote(forwarded)

@@ -46,14 +46,15 @@ class ResponseStart:
     headers: tuple[tuple[str, str], ...]
 
 
-def trajectory_holdings(entries: list[tuple[list[int], int]], block_size: int) -> dict:
-    """Routing stats of sessions given as ``(token ids, prompt length of the latest request)``:
+def trajectory_holdings(entries: list[tuple[list[int], int, str | None]], block_size: int) -> dict:
+    """Routing stats of sessions given as ``(token ids, prompt length of the latest request,
+    tenant)`` (each hashed under its tenant's salt, as the ingress hashes a request's prompt):
     ``{"blocks": every block hash, "anchors": the hash of each latest prompt's last full block,
     "sessions": how many}`` (lists of ints, so Ray ships them compactly)."""
     blocks: set[int] = set()
     anchors: set[int] = set()
-    for token_ids, anchor in entries:
-        hashes = block_hashes(token_ids, block_size)
+    for token_ids, anchor, tenant in entries:
+        hashes = block_hashes(token_ids, block_size, tenant)
         blocks.update(hashes)
         n = anchor // block_size
         if n:
@@ -70,8 +71,8 @@ class PrecacheReplica:
         from ray import serve  # the optional extra: this module's records load without it
 
         self.app = create_app(engine_factory(), server_config)
-        self.scheduler = self.app.state.loop
-        self.scheduler.start()  # what the app's lifespan does; a replica has no uvicorn to run it
+        self.loop = self.app.state.loop
+        self.loop.start()  # what the app's lifespan does; a replica has no uvicorn to run it
         self.block_size = block_size
         self.name = serve.get_replica_context().replica_id.unique_id
         logger.info("replica %s ready", self.name)
@@ -110,18 +111,18 @@ class PrecacheReplica:
     async def record_routing_stats(self) -> dict:
         """What this replica holds, for the router (Ray calls it every routing-stats period)."""
 
-        def snapshot(pool) -> list[tuple[list[int], int]]:
-            return [(list(e.session.token_ids), e.anchor) for e in pool.entries.values()]
+        def snapshot(pool) -> list[tuple[list[int], int, str | None]]:
+            return [(list(e.session.token_ids), e.anchor, e.tenant) for e in pool.entries.values()]
 
-        entries = await asyncio.wrap_future(self.scheduler.call(snapshot))
+        entries = await asyncio.wrap_future(self.loop.call(snapshot))
         stats = await asyncio.to_thread(trajectory_holdings, entries, self.block_size)
-        active, pending = await asyncio.wrap_future(self.scheduler.call(lambda _: self.scheduler.load()))
+        active, pending = await asyncio.wrap_future(self.loop.call(lambda _: self.loop.load()))
         return {**stats, "active": active, "pending": pending}
 
     def __del__(self):
-        scheduler = getattr(self, "scheduler", None)
-        if scheduler is not None:
-            scheduler.stop()
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.stop()
 
 
 def _scope(request: ForwardedRequest) -> dict:

@@ -2,40 +2,41 @@
 the placement rule the Ray request router (:mod:`precache.cluster.router`) applies.
 
 A prompt is cut into blocks of ``block_size`` tokens; block i is named by a hash of the tokens
-``[0, (i + 1) block_size)`` (a chain: each hash covers its parent), the way vLLM's automatic
-prefix caching names KV blocks. Equal hashes mean equal token prefixes, whatever adapter wrote
-them, so one table serves every agent of a trajectory. Hashes are 63-bit integers from BLAKE2b,
-equal in every process (Python's ``hash`` of strings is salted per process).
+``[0, (i + 1) block_size)`` (a chain: each hash covers its parent), by the engine's own prefix
+hash chain (:mod:`precache.cache.prefix`) salted by the request's tenant. Equal hashes mean equal
+token prefixes of one tenant, whatever adapter wrote them, so one table serves every agent of a
+trajectory. Hashes are BLAKE2b, equal in every process (Python's ``hash`` is salted per process).
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
-import struct
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-#: tokens per routing block (the router's unit of prefix matching, not the engine's KV block)
-DEFAULT_ROUTING_BLOCK = 16
+from precache.cache.pool import DEFAULT_BLOCK_SIZE
+from precache.cache.prefix import chain_hashes
+
+#: tokens per routing block (the router's unit of prefix matching; the engine's KV block by default)
+DEFAULT_ROUTING_BLOCK = DEFAULT_BLOCK_SIZE
+#: the chain's cache key: the server's session lookup indexes trajectories under the same one
+ROUTING_KEY = "trajectory"
+_MASK63 = (1 << 63) - 1
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int = DEFAULT_ROUTING_BLOCK) -> list[int]:
-    """Chain hashes of the full blocks of ``token_ids``: ``out[i]`` names ``token_ids[: (i + 1) *
-    block_size]``; a last partial block has no hash.
+def block_hashes(
+    token_ids: Sequence[int], block_size: int = DEFAULT_ROUTING_BLOCK, salt: str | None = None
+) -> list[int]:
+    """Chain hashes of the full blocks of ``token_ids`` under tenant ``salt``: ``out[i]`` names
+    ``token_ids[: (i + 1) * block_size]``; a last partial block has no hash. The engine's one hash
+    chain (:func:`precache.cache.prefix.chain_hashes`, the one the server's session lookup follows),
+    cut to 63 bits for Ray's routing stats; two tenants' chains never meet.
 
     Raises:
         ValueError: ``block_size`` < 1.
     """
-    if block_size < 1:
-        raise ValueError(f"block_size must be at least 1, got {block_size}")
-    out, parent = [], b"precache-routing"
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        block = struct.pack(f"<{block_size}q", *token_ids[start : start + block_size])
-        parent = hashlib.blake2b(parent + block, digest_size=8).digest()
-        out.append(int.from_bytes(parent, "little") >> 1)
-    return out
+    return [h & _MASK63 for h in chain_hashes(list(token_ids), block_size, ROUTING_KEY, salt)]
 
 
 @dataclass
