@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypedDict
 
+from precache.errors import EmptyRequestError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -68,8 +70,6 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self):
-        from precache.errors import EmptyRequestError
-
         if self.max_new_tokens < 1:
             raise EmptyRequestError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
         checks = [

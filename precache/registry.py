@@ -1,10 +1,11 @@
-"""Names a user picks from: sharing methods, model families, benchmarks.
+"""Names a user picks from: sharing methods, attention backends, model families, benchmarks.
 
 Each kind is one :class:`Registry`, kept next to what it names (``precache.methods.METHOD_REGISTRY``,
-``precache.models.MODEL_REGISTRY``, ``precache.agents.benchmark.BENCHMARKS``). Every name a user
-gives goes through one, so a name is normalised in one place (:func:`normalise`), the command
-line's choices are a registry's ``names`` or ``choices``, and an unknown name raises the kind's own
-error listing the valid names, before any model loads.
+``precache.cache.attention.BACKENDS``, ``precache.models.MODEL_REGISTRY``,
+``precache.agents.benchmark.BENCHMARKS``). Every name a user gives goes through one, so a name is
+normalised in one place (:func:`normalise`), the command line's choices are a registry's
+``names`` or ``choices``, and an unknown name raises the kind's own error listing the valid
+names, before any model loads.
 """
 
 from __future__ import annotations

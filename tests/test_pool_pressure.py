@@ -34,7 +34,7 @@ def test_a_turn_that_can_never_fit_is_refused_up_front(tiny):
         r.generate("plan", max_new_tokens=4)
 
 
-def test_rows_that_do_not_fit_wait_instead_of_failing_the_batch(tiny):
+def test_rows_that_do_not_fit_wait_and_an_idle_session_is_swapped_out_for_them(tiny):
     model, dirs, _ = tiny
     engine = make_engine(model, dirs, "prelrshared", kv_cache_bytes=5 * _block_bytes(model, dirs))
     a, b = engine.session(), engine.session()
@@ -45,16 +45,31 @@ def test_rows_that_do_not_fit_wait_instead_of_failing_the_batch(tiny):
     assert first.requests == [ra]  # a takes 3 of the 5 blocks; b's 3 do not fit and it waits
     engine.wait(ra)
     assert ra.outcome().token_ids and not rb.finished
-    engine.wait(rb)  # alone now: its first row runs, and a still holds 3 blocks
-    with pytest.raises(OutOfBlocksError):
-        rb.outcome()
+    engine.wait(rb)  # a is idle now: its caches go to host memory so that b runs
+    assert a.swapped is not None and a.cache_bytes()["total"] == 0
     assert engine.cache_usage()["allocated"] <= engine.cache_usage()["total"]
-    a.close()  # a's blocks come back: b's turn goes through
-    b.sync(_ids(3, 40))
-    turn = b.generate("plan", max_new_tokens=4)
-    want = make_engine(model, dirs, "prelrshared").session()
-    want.append(_ids(3, 40))
-    assert turn.token_ids == want.generate("plan", max_new_tokens=4).token_ids
+
+    def alone(seed: int, turns: int) -> list[list[int]]:
+        s = make_engine(model, dirs, "prelrshared").session()
+        s.append(_ids(seed, 40))
+        return [s.generate("plan", max_new_tokens=4).token_ids for _ in range(turns)]
+
+    assert rb.outcome().token_ids == alone(3, 1)[0]
+    b.close()  # b's blocks come back: a's caches come back in, equal bit for bit
+    again = a.generate("plan", max_new_tokens=4)
+    assert a.swapped is None and [ra.outcome().token_ids, again.token_ids] == alone(2, 2)
+    a.check()
+    # a trajectory that cannot come back while the pool is full of a running request: refused
+    c = engine.session()
+    c.append(_ids(4, 70))
+    a.fork(10).close()  # a is resident: forking is fine
+    long = c.submit("plan", max_new_tokens=8)
+    engine.step()  # c's prefill takes 5 of the 5 blocks: a is swapped out for it
+    assert a.swapped is not None
+    with pytest.raises(OutOfBlocksError):
+        a.fork(10)  # swapping a back in needs blocks the running request holds
+    engine.wait(long)
+    assert long.outcome().token_ids
 
 
 @pytest.mark.parametrize("options", [{"block_size": 0}, {"block_size": 2.5}, {"kv_cache_bytes": "1e9"}])

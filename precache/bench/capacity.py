@@ -3,7 +3,9 @@
 Each method gets one engine whose block pool is exactly ``kv_cache_bytes``; trajectories of a
 trace (the paper shape, every agent reading the whole shared trajectory) are replayed one after
 another and all kept alive, as a server holds the conversations it serves, until the next one no
-longer fits (:class:`~precache.errors.OutOfBlocksError`). Turns are generated greedily with
+longer fits beside them: the engine then swaps the least recently used idle one out of the pool to
+host memory (or, with nothing left to swap, raises :class:`~precache.errors.OutOfBlocksError`), and
+the trajectories still in the pool are the resident ones. Turns are generated greedily with
 ``ignore_eos`` and exactly the trace's decode lengths, over the trace's seeded random token stream.
 """
 
@@ -35,12 +37,14 @@ def _replay(session, trace: Trace, stream: list[list[int]]) -> None:
 def resident_trajectories(
     engine, trace: Trace, streams: Callable[[int], list[list[int]]], limit: int = 64
 ) -> dict:
-    """Replay ``trace`` as new trajectories in ``engine`` until one no longer fits; keep them all.
-    Trajectory ``i`` appends ``streams(i)`` (distinct streams: no prefix is shared between them).
+    """Replay ``trace`` as new trajectories in ``engine`` until one no longer fits beside the
+    others; keep them all. Trajectory ``i`` appends ``streams(i)`` (distinct streams: no prefix is
+    shared between them).
 
     Returns ``{"resident": n, "kv_cache_bytes", "block_bytes", "allocated_bytes",
-    "bytes_per_trajectory", "seconds"}``: ``resident`` trajectories fitted whole (the one that
-    failed is dropped and its blocks freed), ``bytes_per_trajectory`` the allocated bytes of one.
+    "bytes_per_trajectory", "seconds"}``: ``resident`` trajectories whose caches are whole in the
+    pool once the pool is full (the ones swapped out to make room, or one that failed, do not
+    count; their blocks are free), ``bytes_per_trajectory`` the allocated bytes of one.
     """
     sessions, t0 = [], time.perf_counter()
     while len(sessions) < limit:
@@ -51,7 +55,12 @@ def resident_trajectories(
             session.close()  # the one that did not fit: its blocks go back before counting
             break
         sessions.append(session)
+        if any(s.swapped is not None for s in sessions):  # the pool is full: one had to leave it
+            break
         logger.info("%s: %d trajectories resident", engine.method_name, len(sessions))
+    for s in [s for s in sessions if s.swapped is not None]:
+        sessions.remove(s)
+        s.close()
     usage = engine.cache_usage()
     n = len(sessions)
     return {

@@ -10,19 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from precache.bench import report
-from precache.cli_args import positive_int
 from precache.methods import METHOD_REGISTRY
 from precache.terminal import console
-
-# positive_int is precache.cli_args's, re-exported here for bench/study.py
-__all__ = [
-    "add_common_args",
-    "hf_model_of",
-    "methods_with_reference",
-    "positive_int",
-    "special_ids",
-    "write_results",
-]
 
 
 def methods_with_reference(text: str) -> list[str]:

@@ -29,7 +29,7 @@ def engine_decode(engine, agent: str, prompts: list[list[int]], new_tokens: int)
     for s, p in zip(sessions, prompts, strict=True):
         s.append(p)
         requests.append(s.submit(agent, max_new_tokens=new_tokens, ignore_eos=True))
-    while not all(r.turn is not None and r.turn.out for r in requests):  # every prefill done
+    while not all(r.phase is not None and r.out for r in requests):  # every prefill done
         engine.step()
     t0 = time.perf_counter()
     engine.wait_all(requests)

@@ -24,13 +24,26 @@ This module is the command line; the work is split by job: :mod:`~precache.bench
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
 from pathlib import Path
 
-from precache.bench.common import methods_with_reference, positive_int
+import torch
+
+import precache
+from precache.agents.benchmark import get_benchmark
+from precache.bench import report
+from precache.bench.common import methods_with_reference
+from precache.bench.study_run import run_study
 from precache.bench.study_store import StoredResultsError
+from precache.cli_args import positive_int
+from precache.errors import AdapterError
+from precache.lora.adapter import load_adapter
+from precache.methods import METHODS
+from precache.resources import adapter_set
+from precache.terminal import console
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +82,6 @@ def plan_runs(benchmarks: str, adapter_sets: str) -> tuple[list[tuple], list[str
         UnknownBenchmarkError: a benchmark name is unknown.
         AdapterError: a folder lacks a role, or nothing is left to run.
     """
-    from precache.agents.benchmark import get_benchmark
-    from precache.errors import AdapterError
-    from precache.resources import adapter_set
-
     runs, skipped = [], []
     for bench in [get_benchmark(b.strip()) for b in benchmarks.split(",") if b.strip()]:
         for name in [a.strip() for a in adapter_sets.split(",") if a.strip()]:
@@ -100,10 +109,6 @@ def run_settings(args: argparse.Namespace, folder: Path) -> dict:
     Raises:
         UnknownMethodError: a given method is unknown.
     """
-    import json
-
-    from precache.methods import METHODS
-
     stored = {}
     meta = folder / "scale-1.0" / "point.json"
     if args.report_only and meta.is_file():
@@ -131,9 +136,6 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 def _run_set(args: argparse.Namespace, model, bench, name: str, folders: dict, out: Path):
     """``(folder, settings, study)`` of one benchmark x adapter set (:func:`run_study`)."""
-    from precache.bench.study_run import run_study
-    from precache.lora.adapter import load_adapter
-
     adapters = {role: load_adapter(folder, model.config, role) for role, folder in folders.items()}
     questions = bench.load_questions(args.split)[: args.limit]
     folder = out / "questions" / re.sub(r"[^A-Za-z0-9_.-]", "_", f"{bench.name}-{name}")
@@ -194,11 +196,7 @@ def _report_config(args: argparse.Namespace, runs: dict) -> dict:
 
 
 def _study(args: argparse.Namespace) -> int:
-    import torch
-
-    import precache
-    from precache.bench import report, study_plots
-    from precache.terminal import console
+    from precache.bench import study_plots  # matplotlib: only to draw the report
 
     _check_flags(args)
     if args.threads:
@@ -242,8 +240,6 @@ def add_study(sub: argparse._SubParsersAction) -> None:
 
 def _add_selection(study: argparse.ArgumentParser) -> None:
     """What the study covers: benchmarks, adapter sets, methods, questions."""
-    from precache.methods import METHODS
-
     study.add_argument("--benchmark", default="hotpotqa", help="comma-separated: hotpotqa,scienceqa")
     study.add_argument(
         "--adapters",

@@ -15,8 +15,14 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import precache
+from precache.agents.loop import run_episode
+from precache.bench.episodes import RecordingSession
+from precache.bench.fidelity import REFERENCE, compare_trajectory
+from precache.bench.study_figure2 import summarize_transitions, trajectory_transitions
 from precache.bench.study_stats import paired, question_record, rebase_beats, table
 from precache.bench.study_store import PointStore, adapters_fingerprint
+from precache.engine.scheduler import run_concurrently
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +54,6 @@ def run_questions(
     :func:`~precache.bench.study_figure2.trajectory_transitions` of the recorded trajectory) when
     ``model`` and ``adapters`` are given. ``episode_kwargs`` go to
     :func:`~precache.agents.loop.run_episode`."""
-    from precache.agents.loop import run_episode
-    from precache.bench.episodes import RecordingSession
-    from precache.bench.fidelity import REFERENCE, compare_trajectory
-    from precache.bench.study_figure2 import trajectory_transitions
-    from precache.engine.scheduler import run_concurrently
-
     def record(question):
         rec = RecordingSession(engines[REFERENCE].session())
         episode = run_episode(rec, question, benchmark=benchmark, **episode_kwargs)
@@ -164,8 +164,6 @@ class _Points:
 
     def run(self, store, scale, methods, questions, shard=None, figure2=False) -> list[dict]:
         """:func:`run_point` of ``methods`` at ``scale`` (``figure2``: with the Figure 2 errors)."""
-        import precache
-
         def make() -> dict:
             scaled = {role: scaled_adapter(a, scale) for role, a in self.adapters.items()}
             return {
@@ -249,8 +247,6 @@ def run_study(
     Raises:
         StoredResultsError: ``folder`` holds results run with other settings.
     """
-    from precache.bench.study_figure2 import summarize_transitions
-
     points = _Points(model, adapters, benchmark, Path(folder), concurrency, report_only, episode_kwargs)
     sweep_methods = [m for m in methods if m in SWEEP_METHODS]
     main_store = points.store(1.0, methods)

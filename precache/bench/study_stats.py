@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import math
 
+from precache.bench.episodes import summarize_turns
+from precache.bench.fidelity import REFERENCE
+
 
 def matching_turns(turns: list, reference: list) -> int:
     """How many turns of an episode equal the reference's (same agent, same appended ids, same
@@ -57,8 +60,6 @@ def method_row(records: list[dict], benchmark) -> dict:
     (the other agents') of the forced records (:func:`~precache.bench.episodes.summarize_turns`,
     :mod:`~precache.bench.fidelity`), ``answers``, and the same measures per agent
     (:func:`by_agent`). ``{metric}_drop`` is added by :func:`table`."""
-    from precache.bench.episodes import summarize_turns
-
     n = len(records)
     total = sum(r["reference_turns"] for r in records)
     forced = summarize_turns([t for r in records for t in r["forced"]])
@@ -84,8 +85,6 @@ def by_agent(forced: list[dict]) -> dict:
     (:func:`~precache.bench.episodes.summarize_turns` over that agent's turns). Where a method
     loses fidelity shows here: on the turns that re-read the agent's own earlier segments or on
     those that read the other agents'."""
-    from precache.bench.episodes import summarize_turns
-
     agents = sorted({r["agent"] for r in forced}, key=str)
     keys = ("turns", "first_kl", "mean_kl", "top1", "k_error_own", "k_error_other")
     out = {}
@@ -99,8 +98,6 @@ def parted_at(per_question: list[dict], method: str) -> dict:
     """Where ``method``'s free-running episodes part from NonShared's: per agent, on how many
     questions the first turn that differs (:func:`matching_turns`) is that agent's (``"none"``: no
     turn differs)."""
-    from precache.bench.fidelity import REFERENCE
-
     counts: dict[str, int] = {}
     for q in per_question:
         record, reference = q["methods"][method], q["methods"][REFERENCE]["forced"]
@@ -116,8 +113,6 @@ def parted_at(per_question: list[dict], method: str) -> dict:
 def table(per_question: list[dict], benchmark, methods: list[str]) -> dict:
     """``{method: method_row}`` over the stored questions, with ``{metric}_drop`` = the reference's
     (NonShared's) metric minus the method's (positive: a loss) and ``parted_at`` (:func:`parted_at`)."""
-    from precache.bench.fidelity import REFERENCE
-
     rows = {m: method_row([q["methods"][m] for q in per_question], benchmark) for m in methods}
     for m, row in rows.items():
         row["parted_at"] = parted_at(per_question, m)

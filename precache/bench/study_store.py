@@ -6,9 +6,12 @@ questions were run with, so a study that stops resumes and a finished one only r
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import re
 from pathlib import Path
+
+import torch
 
 from precache.errors import PrecacheError
 
@@ -30,10 +33,6 @@ def adapters_fingerprint(adapters: dict) -> str:
     """The first 16 hex digits of a sha256 over every role's LoRA weights as loaded (role names,
     scaling, each module's A, B and bias in fp32): a stored point run with other adapter weights
     (retrained, or stored in another dtype) does not match, whatever the folder is called."""
-    import hashlib
-
-    import torch
-
     digest = hashlib.sha256()
     for role in sorted(adapters):
         adapter = adapters[role]

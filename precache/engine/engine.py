@@ -20,7 +20,8 @@ from precache.engine.scheduler import Batch, Scheduler, run_concurrently
 from precache.engine.session import Session
 from precache.errors import AdapterError
 from precache.lora.adapter import LoRAAdapter, load_adapter
-from precache.methods import make_method
+from precache.methods import METHOD_REGISTRY, make_method
+from precache.models import load_model
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +71,7 @@ class Engine:
         prefix_caching: bool = True,
         attention_backend: str | None = None,
     ):
-        from precache.methods import METHODS
-        from precache.models import load_model
-
-        if method.lower().replace("_", "-") not in (*METHODS, "rebaseshared"):
-            make_method(method, None, {})  # raises UnknownMethodError before any loading
+        METHOD_REGISTRY.canonical(method)  # raises UnknownMethodError before any loading
         self.model = model if model is not None else load_model()
         self.tokenizer = self.model.tokenizer
         self.adapters: dict[str, LoRAAdapter] = {}

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from precache.registry import Registry
+
 if TYPE_CHECKING:
     from precache.cache.pool import KVPool
     from precache.lora.adapter import LoRAAdapter
@@ -106,13 +108,13 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor: ...
 
 
-BACKENDS: dict[str, type[AttentionBackend]] = {}
+#: the attention backends by name (``Engine(attention_backend=...)``)
+BACKENDS: Registry[type[AttentionBackend]] = Registry("attention backend", ValueError, noun="backend")
 
 
 def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
     """Class decorator: make ``cls`` available as ``get_backend(cls.name)``."""
-    BACKENDS[cls.name] = cls
-    return cls
+    return BACKENDS.register(cls.name, cls)
 
 
 def get_backend(name: str) -> AttentionBackend:
@@ -121,6 +123,4 @@ def get_backend(name: str) -> AttentionBackend:
     Raises:
         ValueError: no backend has that name.
     """
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend '{name}' (backends: {', '.join(sorted(BACKENDS))})")
     return BACKENDS[name]()
