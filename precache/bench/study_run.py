@@ -54,6 +54,7 @@ def run_questions(
     :func:`~precache.bench.study_figure2.trajectory_transitions` of the recorded trajectory) when
     ``model`` and ``adapters`` are given. ``episode_kwargs`` go to
     :func:`~precache.agents.loop.run_episode`."""
+
     def record(question):
         rec = RecordingSession(engines[REFERENCE].session())
         episode = run_episode(rec, question, benchmark=benchmark, **episode_kwargs)
@@ -164,6 +165,7 @@ class _Points:
 
     def run(self, store, scale, methods, questions, shard=None, figure2=False) -> list[dict]:
         """:func:`run_point` of ``methods`` at ``scale`` (``figure2``: with the Figure 2 errors)."""
+
         def make() -> dict:
             scaled = {role: scaled_adapter(a, scale) for role, a in self.adapters.items()}
             return {
