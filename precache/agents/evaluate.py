@@ -16,7 +16,7 @@ from typing import Any
 
 from precache.agents.benchmark import HOTPOTQA, Benchmark
 from precache.agents.loop import AgentSession, Episode, run_episode
-from precache.engine.scheduler import run_concurrently
+from precache.engine.concurrency import run_concurrently
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def evaluate(
 
     ``new_session`` / ``reference_session`` return a fresh engine session per question;
     ``concurrency`` episodes run at once on threads, so their forwards share batches
-    (:func:`~precache.engine.scheduler.run_concurrently`; greedy answers do not depend on it but
+    (:func:`~precache.engine.concurrency.run_concurrently`; greedy answers do not depend on it but
     for floating-point batch effects). Returns ``{"summary": summarize(...), "episodes": [...],
     "reference_episodes": [...]}`` (episodes as dicts, in the order of ``questions``).
     """

@@ -17,8 +17,8 @@ import precache
 from precache.agents.data import load_questions
 from precache.agents.loop import run_episode
 from precache.bench.common import add_common_args, methods_with_reference, write_results
+from precache.engine.concurrency import run_concurrently
 from precache.engine.request import Turn
-from precache.engine.scheduler import run_concurrently
 from precache.methods import METHODS
 from precache.resources import adapter_set
 from precache.terminal import progress

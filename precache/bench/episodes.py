@@ -4,7 +4,7 @@ run every method free, and summarise (KL, top-1, base-cache error, answer agreem
 Recording wraps the engine session in :class:`RecordingSession`, which the agent loop
 (:func:`precache.agents.loop.run_episode`) drives like a plain session. Every phase runs
 ``concurrency`` episodes (or trajectories) at once, their forwards batched in each engine
-(:func:`~precache.engine.scheduler.run_concurrently`).
+(:func:`~precache.engine.concurrency.run_concurrently`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from precache.agents.benchmark import get_benchmark
 from precache.agents.loop import run_episode
 from precache.bench.fidelity import REFERENCE, compare_trajectory
+from precache.engine.concurrency import run_concurrently
 from precache.engine.request import Turn
-from precache.engine.scheduler import run_concurrently
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Running ``precache study`` (:mod:`precache.bench.study`) for one benchmark x adapter set.
 
 Every phase runs ``concurrency`` episodes at once, their forwards batched in each engine
-(:func:`~precache.engine.scheduler.run_concurrently`), and stores each group's per-question
+(:func:`~precache.engine.concurrency.run_concurrently`), and stores each group's per-question
 results (:class:`~precache.bench.study_store.PointStore`) before the next starts: the tables are
 aggregated from the stored questions (:mod:`precache.bench.study_stats`), so a stopped study
 resumes and a finished one only rebuilds its report.
@@ -22,7 +22,7 @@ from precache.bench.fidelity import REFERENCE, compare_trajectory
 from precache.bench.study_figure2 import summarize_transitions, trajectory_transitions
 from precache.bench.study_stats import paired, question_record, rebase_beats, table
 from precache.bench.study_store import PointStore, adapters_fingerprint
-from precache.engine.scheduler import run_concurrently
+from precache.engine.concurrency import run_concurrently
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,10 @@ from precache.cache.attention import default_backend, get_backend
 from precache.cache.plan import run_plans
 from precache.cache.pool import DEFAULT_BLOCK_SIZE
 from precache.config import SamplingOptions
+from precache.engine.concurrency import run_concurrently
 from precache.engine.outputs import Turn
 from precache.engine.request import Request
-from precache.engine.scheduler import Batch, Scheduler, run_concurrently
+from precache.engine.scheduler import Batch, Scheduler
 from precache.engine.session import Session
 from precache.errors import AdapterError
 from precache.lora.adapter import LoRAAdapter, load_adapter
@@ -208,5 +209,5 @@ class Engine:
         """``[fn(item) for item in items]`` on ``concurrency`` threads (results in input order, a
         progress bar when ``desc`` is given): N independent trajectories, e.g. agent episodes each on
         its own session of this engine, whose forwards are batched
-        (:func:`~precache.engine.scheduler.run_concurrently`)."""
+        (:func:`~precache.engine.concurrency.run_concurrently`)."""
         return run_concurrently(fn, items, concurrency, desc)

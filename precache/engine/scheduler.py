@@ -22,8 +22,7 @@ import logging
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -32,12 +31,10 @@ from precache.cache.pool import KVPool
 from precache.engine import admission, parallel, preemption, rows
 from precache.engine.request import Phase, Request, RequestState
 from precache.errors import OutOfBlocksError, PrecacheError
-from precache.terminal import progress
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -145,15 +142,11 @@ class Scheduler:
     # -- stepping: one thread at a time ----------------------------------------------------------
     def step(self) -> Batch:
         """Run one step; waits while another thread runs one."""
-        with self._cv:
-            while self._stepping:
-                self._cv.wait()
-            self._stepping = True
-        return self._step_and_release()
+        return self.exclusive(self._step)
 
     def exclusive(self, fn: Callable[[], T]) -> T:
-        """Run ``fn()`` between two steps (waits while another thread steps), e.g. to swap an idle
-        session's caches back in without a forward seeing the pool change."""
+        """Run ``fn()`` as this thread's turn to step (waits while another thread steps): a step, or
+        e.g. an idle session's swap-in, which no forward may see half done."""
         with self._cv:
             while self._stepping:
                 self._cv.wait()
@@ -161,9 +154,7 @@ class Scheduler:
         try:
             return fn()
         finally:
-            with self._cv:
-                self._stepping = False
-                self._cv.notify_all()
+            self._release()
 
     def drive(self, until: Callable[[], bool]) -> None:
         """Run steps until ``until()`` holds, or wait while another thread steps (its steps serve
@@ -179,17 +170,17 @@ class Scheduler:
                 if until():
                     return
                 self._stepping = True
-            batch = self._step_and_release()
+            try:
+                batch = self._step()
+            finally:
+                self._release()
             if not batch.requests and not batch.finished and not batch.preempted and not until():
                 raise RuntimeError("the scheduler has nothing to run for the awaited request")
 
-    def _step_and_release(self) -> Batch:
-        try:
-            return self._step()
-        finally:
-            with self._cv:
-                self._stepping = False
-                self._cv.notify_all()
+    def _release(self) -> None:
+        with self._cv:
+            self._stepping = False
+            self._cv.notify_all()
 
     def _step(self) -> Batch:
         batch = Batch()
@@ -364,40 +355,3 @@ class Scheduler:
             request.session.active = None
         request.error, request.state = error, RequestState.FAILED
         batch.finished.append(request)
-
-
-def run_concurrently(
-    fn: Callable[[T], R], items: Iterable[T], concurrency: int = 1, desc: str | None = None
-) -> list[R]:
-    """``[fn(item) for item in items]`` on ``concurrency`` threads, results in the order of ``items``,
-    with a progress bar when ``desc`` is given (on a terminal: :func:`precache.terminal.progress`).
-    Threads whose ``fn`` waits on engine requests drive the engine's steps together, so their
-    forwards are batched (:meth:`Scheduler.drive`);
-    ``concurrency=1`` runs in the calling thread. The first exception is raised once the started
-    items are over (the others are not started).
-
-    Raises:
-        ValueError: ``concurrency < 1``.
-    """
-    if concurrency < 1:
-        raise ValueError(f"concurrency must be at least 1, got {concurrency}")
-    items = list(items)
-    with progress(len(items), desc) as advance:
-        if concurrency == 1:
-            out = []
-            for item in items:
-                out.append(fn(item))
-                advance()
-            return out
-        with ThreadPoolExecutor(min(concurrency, max(len(items), 1)), thread_name_prefix="precache") as pool:
-            futures = [pool.submit(fn, item) for item in items]
-            error: BaseException | None = None
-            for future in as_completed(futures):
-                advance()
-                if error is None and not future.cancelled() and future.exception() is not None:
-                    error = future.exception()
-                    for f in futures:
-                        f.cancel()
-        if error is not None:
-            raise error
-        return [f.result() for f in futures]
