@@ -90,9 +90,14 @@ class TrajectoryIndex:
 
     def set(self, key, token_ids: list[int], salt: str | None = None) -> None:
         """Index ``token_ids`` as the trajectory of ``key`` (tenant ``salt``), replacing what it had."""
-        self.remove(key)
         tokens = [int(t) for t in token_ids]
-        hashes = chain_hashes(tokens, self.block_size, self.key, salt)
+        kept: list[int] = []
+        if key in self._paths and self._paths[key][2] == salt:  # hash only the blocks that changed
+            old_tokens, old_hashes, _ = self._paths[key]
+            kept = old_hashes[: common_prefix(old_tokens, tokens) // self.block_size]
+        self.remove(key)
+        chain = PrefixChain(self.key, list(kept), salt)
+        hashes = chain.extend(tokens, len(tokens) // self.block_size, self.block_size)
         self._paths[key] = (tokens, hashes, salt)
         for h in hashes:
             self._by_hash.setdefault(h, set()).add(key)

@@ -176,8 +176,9 @@ class ServerLoop:
             if job.request.all_finished:
                 self._end(job)
         self.metrics.running.set(len(self.engine.scheduler.running))
-        self.metrics.cache_bytes.set(self.engine.cache_usage()["allocated"])
-        self.metrics.pool_usage(self.engine.cache_usage())
+        usage = self.engine.cache_usage()
+        self.metrics.cache_bytes.set(usage["allocated"])
+        self.metrics.pool_usage(usage)
         self.metrics.sessions.set(len(self.pool))
 
     def _relay_choice(self, job: Job, request) -> None:
