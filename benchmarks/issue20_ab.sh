@@ -3,7 +3,7 @@
 # short_turns (PreLRShared and the NonShared reference, 3 repeats), the 32-conversation server
 # load (3 repeats), and the livelock case (16 requests on a 76-block pool, 3 repeats; a side that
 # does not answer every request by the deadline stops there).
-# Usage: OLD=<checkout of the old code> benchmarks/issue20_ab.sh [OUT]
+# Usage: OLD=<checkout of the old code> [DEADLINE=450] benchmarks/issue20_ab.sh [OUT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OLD=${OLD:?set OLD to a checkout of the code before the change}
@@ -22,6 +22,6 @@ for side in old new; do
     run -m precache.cli bench serve --adapters qv --methods prelrshared --qps 4 --sessions 32 \
       --seed $seed --json "$OUT/serve32_${side}_$seed.json"
   done
-  run benchmarks/livelock.py --requests 16 --repeats 3 --deadline 150 | tee "$OUT/livelock_$side.jsonl"
+  run benchmarks/livelock.py --requests 16 --repeats 3 --deadline "${DEADLINE:-450}" | tee "$OUT/livelock_$side.jsonl"
 done
 "$PY" benchmarks/issue20_report.py "$OUT"

@@ -24,7 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "precache"
 CORE = frozenset(
-    {"models", "lora", "cache", "methods", "engine", "config", "errors", "resources", "registry"}
+    {"models", "lora", "cache", "methods", "engine", "compute", "config", "errors", "resources", "registry"}
 )
 APPS = frozenset({"agents", "bench", "server", "cluster"})
 #: (importer, imported) pairs refused besides core -> apps

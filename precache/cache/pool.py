@@ -228,17 +228,21 @@ class PagedStore:
 
     def rows(self, start: int, end: int) -> slice | torch.Tensor:
         """Pool rows of positions ``[start, end)``: a slice when contiguous, else an index tensor."""
-        runs = self.runs(start, end)
-        if len(runs) <= 1:
-            row = runs[0][2] if runs else 0
-            return slice(row, row + (end - start))
-        idx = [torch.arange(r, r + (e - s)) for s, e, r in runs]
-        return torch.cat(idx).to(self.pool.device)
+        return rows_of(self.runs(start, end), self.pool.device)
 
     def kv(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (after RoPE) and values at positions ``[start, end)``: ``[end - start, n_kv_heads, head_dim]``."""
         rows = self.rows(start, end)
         return self.pool.k[layer][rows], self.pool.v[layer][rows]
+
+
+def rows_of(runs: list[tuple[int, int, int]], device: torch.device) -> slice | torch.Tensor:
+    """Pool rows of ``runs`` (:meth:`PagedStore.runs`): a slice when there is at most one piece,
+    else an index tensor on ``device``."""
+    if len(runs) <= 1:
+        s, e, row = runs[0] if runs else (0, 0, 0)
+        return slice(row, row + (e - s))
+    return torch.cat([torch.arange(r, r + (e - s)) for s, e, r in runs]).to(device)
 
 
 class LRView:

@@ -8,22 +8,29 @@ import torch
 
 from precache.cache.attention import KVRead
 from precache.cache.attention.torch_backend import segment_at
+from precache.cache.pool import rows_of
 from precache.cache.rowplan import View
+
+# A decode row reads a view in place while it lies in at most this many contiguous pool pieces;
+# beyond, one gather per layer costs less than a matmul pair (and LR terms) per piece: a trajectory
+# swapped back in after preemption lies block by block (measured on SmolLM2, issue 20).
+MAX_INPLACE_PIECES = 4
 
 
 def view_reads(model, view: View, split_runs: bool) -> list[KVRead]:
     """:class:`KVRead` s of ``view``: one per contiguous piece when ``split_runs`` (decode rows read
-    the pool in place), else one over the whole range (pool rows gathered when scattered)."""
+    the pool in place) and the view lies in at most :data:`MAX_INPLACE_PIECES` pieces, else one over
+    the whole range (pool rows gathered when scattered)."""
     if view.end <= view.start:
         return []
     lr_cols = cos = sin = None
     if view.lr is not None and view.adapter is not None:
         lr_cols = (view.lr.cols_k, view.lr.cols_v)
-    pieces = (
-        [(s, e, slice(r, r + e - s)) for s, e, r in view.store.runs(view.start, view.end)]
-        if split_runs
-        else [(view.start, view.end, view.store.rows(view.start, view.end))]
-    )
+    runs = view.store.runs(view.start, view.end)
+    if split_runs and len(runs) <= MAX_INPLACE_PIECES:
+        pieces = [(s, e, slice(r, r + e - s)) for s, e, r in runs]
+    else:
+        pieces = [(view.start, view.end, rows_of(runs, view.store.pool.device))]
     reads = []
     for start, end, rows in pieces:
         if lr_cols is not None and "k_proj" in view.adapter.targets:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar, Unpack
@@ -13,6 +12,7 @@ from typing import TypeVar, Unpack
 from precache.cache.attention import default_backend, get_backend
 from precache.cache.plan import run_plans
 from precache.cache.pool import DEFAULT_BLOCK_SIZE
+from precache.compute import on_compute
 from precache.config import SamplingOptions
 from precache.engine.concurrency import run_concurrently
 from precache.engine.outputs import Turn
@@ -32,14 +32,6 @@ R = TypeVar("R")
 # HF fast tokenizers refuse concurrent use from two threads ("Already borrowed"), and engines may
 # share one tokenizer: every tokenizer call in the process goes through this lock (microseconds).
 TOKENIZER_LOCK = threading.RLock()
-# Engines over one model run their forwards one at a time (fidelity and eval drive several).
-_FORWARD_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_FORWARD_LOCKS_GUARD = threading.Lock()
-
-
-def _forward_lock(model) -> threading.Lock:
-    with _FORWARD_LOCKS_GUARD:
-        return _FORWARD_LOCKS.setdefault(model, threading.Lock())
 
 
 class Engine:
@@ -94,7 +86,7 @@ class Engine:
         self.pool = self.method.pool
         self.attention = get_backend(attention_backend or default_backend(self.model.device))
         self.eos_token_ids = self._eos_ids()
-        self.scheduler = Scheduler(self._forward, pool=self.pool)
+        self.scheduler = Scheduler(self._forward, pool=self.pool, runner=on_compute)
 
     def _eos_ids(self) -> frozenset[int]:
         """Token ids that end a turn: ``generation_config.json``'s ``eos_token_id`` (an int or a
@@ -150,8 +142,7 @@ class Engine:
 
     # -- batching: one scheduler, one forward per step -------------------------------------------
     def _forward(self, plans: list) -> list:
-        with _forward_lock(self.model):
-            return run_plans(self.model, plans, self.attention)
+        return on_compute(lambda: run_plans(self.model, plans, self.attention))
 
     def submit(self, request: Request) -> Request:
         """Queue ``request`` (any thread; :meth:`Session.submit` builds and validates one); it joins

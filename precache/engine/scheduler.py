@@ -91,7 +91,8 @@ class Scheduler:
     sessions give back about ``n`` blocks (the server drops cached conversations); then idle
     ``sessions`` are swapped out, and only then a running request is preempted; ``reclaim``
     returns the blocks it freed. A request that cannot fit even alone fails with
-    :class:`~precache.errors.OutOfBlocksError`.
+    :class:`~precache.errors.OutOfBlocksError`. ``runner(fn)`` runs each step (the engine's:
+    :func:`precache.compute.on_compute`, one OS thread for every step whichever thread drives it).
     """
 
     def __init__(
@@ -99,8 +100,10 @@ class Scheduler:
         forward: Callable[[list], list],
         config: SchedulerConfig | None = None,
         pool: KVPool | None = None,
+        runner: Callable[[Callable[[], T]], T] | None = None,
     ):
         self.forward, self.pool = forward, pool
+        self.runner = runner or (lambda fn: fn())
         self.config = config or SchedulerConfig()
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -152,7 +155,7 @@ class Scheduler:
                 self._cv.wait()
             self._stepping = True
         try:
-            return fn()
+            return self.runner(fn)
         finally:
             self._release()
 
@@ -171,7 +174,7 @@ class Scheduler:
                     return
                 self._stepping = True
             try:
-                batch = self._step()
+                batch = self.runner(self._step)
             finally:
                 self._release()
             if not batch.requests and not batch.finished and not batch.preempted and not until():

@@ -7,6 +7,7 @@ import os
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from precache.compute import on_compute
 from precache.errors import ModelLoadError
 from precache.models.config import MODEL_REGISTRY, ModelConfig
 from precache.models.contract import AttentionBackend, LayerInput, Row
@@ -50,9 +51,13 @@ def load_model(
     ModelConfig.from_hf(hf_config)  # refuse other architectures and fields before loading weights
     tokenizer = _load_tokenizer(folder, require_tokenizer)
     generation_config = _load_generation_config(folder)
-    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    hf_model.config._name_or_path = checkpoint_name(folder)  # a converted GGUF's folder is a hash
-    return model_from_hf(hf_model, tokenizer, folder, device, max_context, generation_config)
+
+    def build() -> LlamaModel:
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        hf_model.config._name_or_path = checkpoint_name(folder)  # a converted GGUF's folder is a hash
+        return model_from_hf(hf_model, tokenizer, folder, device, max_context, generation_config)
+
+    return on_compute(build)  # on the thread that will run its forwards (precache.compute)
 
 
 def _load_tokenizer(folder, required: bool):
