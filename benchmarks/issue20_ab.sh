@@ -7,13 +7,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OLD=${OLD:?set OLD to a checkout of the code before the change}
-OUT=${1:-benchmarks/results/issue20}
-PY=$PWD/.venv/bin/python
+OUT=$(realpath -m "${1:-benchmarks/results/issue20}")
+HERE=$PWD
+PY=$HERE/.venv/bin/python
 export HF_HUB_OFFLINE=1
 mkdir -p "$OUT"
 for side in old new; do
-  if [ "$side" = old ]; then SRC=$OLD; else SRC=$PWD; fi
-  run() { PYTHONPATH=$SRC "$PY" "$@"; }
+  if [ "$side" = old ]; then SRC=$(realpath "$OLD"); else SRC=$HERE; fi
+  # run inside the side's checkout: `python -m` puts the working directory first on sys.path, so
+  # from anywhere else the editable install's (or the caller's) precache would be imported
+  run() { (cd "$SRC" && PYTHONPATH=$SRC "$PY" "$@"); }
   run -m precache.cli bench trace --trace paper_L1024 --adapters qv --methods prelrshared --no-hf-peft \
     --repeats 3 --threads 2 --json "$OUT/trace_L1024_$side.json"
   run -m precache.cli bench trace --trace short_turns --adapters qv --methods prelrshared --no-hf-peft \
@@ -22,6 +25,6 @@ for side in old new; do
     run -m precache.cli bench serve --adapters qv --methods prelrshared --qps 4 --sessions 32 \
       --seed $seed --json "$OUT/serve32_${side}_$seed.json"
   done
-  run benchmarks/livelock.py --requests 16 --repeats 3 --deadline "${DEADLINE:-450}" | tee "$OUT/livelock_$side.jsonl"
+  run "$HERE/benchmarks/livelock.py" --requests 16 --repeats 3 --deadline "${DEADLINE:-450}" | tee "$OUT/livelock_$side.jsonl"
 done
-"$PY" benchmarks/issue20_report.py "$OUT"
+"$PY" "$HERE/benchmarks/issue20_report.py" "$OUT"
