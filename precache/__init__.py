@@ -1,6 +1,6 @@
 """precache: KV cache sharing for multi-LoRA agent systems (PreLRShared, ReBaseShared)."""
 
-from precache.config import SamplingParams
+from precache.config import SamplingParams, StructuredOutput
 from precache.engine import Engine, Session, Turn
 from precache.errors import (
     AdapterError,
@@ -12,6 +12,7 @@ from precache.errors import (
     PrecacheError,
     RequestCancelledError,
     SessionBusyError,
+    StructuredOutputError,
     UnknownAdapterError,
     UnknownMethodError,
 )
@@ -36,6 +37,8 @@ __all__ = [
     "SamplingParams",
     "Session",
     "SessionBusyError",
+    "StructuredOutput",
+    "StructuredOutputError",
     "Turn",
     "UnknownAdapterError",
     "UnknownMethodError",

@@ -25,6 +25,7 @@ import transformers.utils.logging as hf_logging
 from rich.console import Console
 from rich.text import Text
 
+from precache import __version__
 from precache.errors import PrecacheError
 
 #: exit code of a command stopped by bad input (a PrecacheError), as argparse's usage errors
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="-v: library logs, progress bars and warnings too; -vv: debug logging",
     )
+    parser.add_argument("--version", action="version", version=f"precache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in _COMMAND_MODULES:
         try:
@@ -85,10 +87,11 @@ def guard(command: Callable[[argparse.Namespace], int | None]) -> Callable[[argp
 def set_verbosity(verbose: int) -> None:
     """Logging, warnings and library progress bars for ``verbose`` = the number of ``-v`` flags.
 
-    0: precache's loggers at INFO, every other logger at WARNING, transformers at ERROR with no
-    progress bar ("Loading weights"), hub progress bars off, ``DeprecationWarning`` and
-    ``FutureWarning`` ignored. 1: the root logger at INFO, transformers at INFO with its bars,
-    Python's default warning filters. 2 or more: DEBUG everywhere.
+    0: precache's loggers at INFO (the server's access lines), every other logger at WARNING,
+    transformers at ERROR with no progress bar ("Loading weights"), hub progress bars off,
+    ``DeprecationWarning`` and ``FutureWarning`` ignored. 1: the root logger at INFO,
+    transformers at WARNING (its INFO is a dump of every config it reads) with its bars, Python's
+    default warning filters. 2 or more: DEBUG everywhere.
     """
     root_level = (logging.WARNING, logging.INFO)[verbose] if verbose < 2 else logging.DEBUG
     logging.basicConfig(level=root_level, format="%(levelname)s %(name)s: %(message)s")
@@ -101,7 +104,7 @@ def set_verbosity(verbose: int) -> None:
         warnings.filterwarnings("ignore", category=DeprecationWarning)
         warnings.filterwarnings("ignore", category=FutureWarning)
     else:
-        hf_logging.set_verbosity(root_level)
+        hf_logging.set_verbosity(logging.WARNING if verbose == 1 else root_level)
         hf_logging.enable_progress_bar()
         huggingface_hub.utils.enable_progress_bars()
 

@@ -2,16 +2,66 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import TypedDict
 
 from precache.errors import EmptyRequestError
 
+#: temperatures below this sample greedily (vLLM's ``_SAMPLING_EPS``)
+GREEDY_TEMPERATURE = 1e-5
+
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint every generated token must keep (vLLM's structured outputs): ``kind`` is
+    ``json_schema`` (``spec``: the schema as JSON text), ``json_object`` (any JSON object; ``spec``
+    empty), ``regex`` (``spec``: the pattern, matched in full), ``choice`` (``spec``: a JSON list of
+    the allowed texts) or ``grammar`` (``spec``: a Lark grammar, llguidance's dialect). Build one
+    with the class methods; :mod:`precache.engine.structured` enforces it."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self):
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(
+                f"structured_output kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}"
+            )
+
+    @classmethod
+    def json_schema(cls, schema: dict | str) -> StructuredOutput:
+        """Output that parses as JSON and validates against ``schema`` (a dict or JSON text)."""
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True))
+
+    @classmethod
+    def json_object(cls) -> StructuredOutput:
+        """Output that parses as a JSON object (OpenAI's ``response_format: json_object``)."""
+        return cls("json_object")
+
+    @classmethod
+    def regex(cls, pattern: str) -> StructuredOutput:
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> StructuredOutput:
+        """Output equal to one of ``choices``."""
+        if not choices or not all(isinstance(c, str) and c for c in choices):
+            raise ValueError("structured_output choice needs a non-empty list of non-empty strings")
+        return cls("choice", json.dumps(list(choices)))
+
+    @classmethod
+    def grammar(cls, lark: str) -> StructuredOutput:
+        return cls("grammar", lark)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How a turn samples and what text it returns (the fields and defaults of vLLM's
-    ``SamplingParams``). ``temperature=0`` is greedy and deterministic; ``seed`` makes sampling with
+    ``SamplingParams``). ``temperature=0`` (any below 1e-5, as vLLM) is greedy and deterministic; ``seed`` makes sampling with
     ``temperature > 0`` reproducible.
 
     Logits, in this order (vLLM's order; each step is off at its default):
@@ -24,7 +74,10 @@ class SamplingParams:
        penalty and a negative one multiplied by it;
     4. ``frequency_penalty`` and ``presence_penalty`` (the OpenAI formula, over the output tokens):
        ``logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty``;
-    5. greedy: argmax; else ``temperature``, ``min_p`` (drop tokens with a probability below
+    5. ``structured_output`` (:class:`StructuredOutput`): every token the constraint forbids is
+       masked to -inf (a per-request logits mask from llguidance, :mod:`precache.engine.structured`);
+       the turn ends with ``stop`` once the constraint is complete (nothing more may follow);
+    6. greedy: argmax; else ``temperature``, ``min_p`` (drop tokens with a probability below
        ``min_p`` times the top one), ``top_k`` (0 or -1: off), ``top_p`` (nucleus), then a draw.
 
     ``n``: choices sampled from one prompt (vLLM's parallel sampling): the prompt is prefilled
@@ -68,6 +121,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     n: int = 1
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -97,6 +151,7 @@ class SamplingParams:
                 dict(self.logit_bias),
             ),
         ]
+        checks.append((all(self.stop), "stop must not contain an empty string", list(self.stop)))
         for ok, message, value in checks:
             if not ok:
                 raise ValueError(f"{message}, got {value}")
@@ -107,7 +162,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax sampling: ``temperature`` below :data:`GREEDY_TEMPERATURE` (vLLM's
+        ``_SAMPLING_EPS``; dividing by a smaller one overflows the logits)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def shapes_logits(self) -> bool:
@@ -146,3 +203,4 @@ class SamplingOptions(TypedDict, total=False):
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
     n: int
+    structured_output: StructuredOutput | None

@@ -1,5 +1,5 @@
 """``precache demo``: one dev question answered by the plan / action / reflect adapters under
-NonShared, PreLRShared and ReBaseShared, side by side (answer, EM, sum of TTFT, KV bytes, speed-up)."""
+NonShared, PreLRShared and ReBaseShared, side by side (answer, EM, sum of TTFT, KV bytes, each with its ratio to NonShared)."""
 
 from __future__ import annotations
 
@@ -70,20 +70,13 @@ def run_demo(
 
 
 def _table(rows: list[dict]) -> Table:
+    """One row per method; times and memory with their ratio to the first row's (NonShared) in
+    brackets, as ``bench trace`` prints them: below 1x is less time or memory."""
     base = rows[0]
-    table = Table(title=f"One HotpotQA dev question, speed-up over {base['method']}")
-    for col in (
-        "method",
-        "answer",
-        "EM",
-        "F1",
-        "turns",
-        "prefill tok",
-        "sum TTFT (s)",
-        "TTFT speed-up",
-        "KV peak (MB)",
-        "KV vs base",
-    ):
+    table = Table(
+        title=f"One HotpotQA dev question; (x) = ratio to {base['method']} (below 1x: less time or memory)"
+    )
+    for col in ("method", "answer", "EM", "F1", "turns", "prefill tokens", "sum TTFT (s)", "KV peak (MiB)"):
         table.add_column(col, justify="left" if col in ("method", "answer") else "right")
     for r in rows:
         table.add_row(
@@ -92,11 +85,9 @@ def _table(rows: list[dict]) -> Table:
             f"{r['em']:.0f}",
             f"{r['f1']:.2f}",
             str(r["turns"]),
-            str(r["prefill_tokens"]),
-            f"{r['ttft_sum_s']:.2f}",
-            f"{base['ttft_sum_s'] / max(r['ttft_sum_s'], 1e-9):.2f}x",
-            f"{r['kv_peak_bytes'] / 2**20:.1f}",
-            f"{r['kv_peak_bytes'] / max(base['kv_peak_bytes'], 1):.2f}x",
+            f"{r['prefill_tokens']:,} ({r['prefill_tokens'] / max(base['prefill_tokens'], 1):.2f}x)",
+            f"{r['ttft_sum_s']:.2f} ({r['ttft_sum_s'] / max(base['ttft_sum_s'], 1e-9):.2f}x)",
+            f"{r['kv_peak_bytes'] / 2**20:.1f} ({r['kv_peak_bytes'] / max(base['kv_peak_bytes'], 1):.2f}x)",
         )
     return table
 

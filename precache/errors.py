@@ -42,6 +42,10 @@ class EmptyRequestError(PrecacheError, ValueError):
     """A request has nothing to process (no tokens, or max_new_tokens < 1)."""
 
 
+class StructuredOutputError(PrecacheError, ValueError):
+    """A structured-output constraint (JSON schema, regex, choice, grammar) that does not compile."""
+
+
 class CacheIntegrityError(PrecacheError, AssertionError):
     """A cache invariant (equal lengths, segment coverage) does not hold: a bug, not bad input."""
 

@@ -246,3 +246,27 @@ def test_serve_on_a_taken_port_is_one_line_and_exit_2(no_model, capsys):
         assert main(["serve", "--port", str(port)]) == 2
     err = _one_line_error(capsys, f"BindError: cannot bind 127.0.0.1:{port}: Address already in use")
     assert "Traceback" not in err and "serving" not in err
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"precache {precache.__version__}"
+
+
+def test_one_v_keeps_transformers_config_dumps_quiet():
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    from precache.cli import set_verbosity
+
+    try:
+        set_verbosity(1)
+        assert logging.getLogger().level == logging.INFO
+        assert hf_logging.get_verbosity() == logging.WARNING  # its INFO dumps every config it reads
+        set_verbosity(2)
+        assert hf_logging.get_verbosity() == logging.DEBUG
+    finally:
+        set_verbosity(0)

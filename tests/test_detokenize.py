@@ -248,3 +248,14 @@ def test_the_agent_loop_keeps_its_trajectory_under_the_stop_rule(tmp_path, monke
     assert [t.text for t in episode.turns] == ["Thought: go\nAction: Finish", "Badr Hari", "Reflect[right"]
     assert {t.matched_stop for t in episode.turns} == {"[", "]"}
     assert episode.trajectory == engine.decode(session.token_ids)
+
+
+@pytest.mark.parametrize("text", ["😊", "naïve café", "日本語", "a 😊 b"])
+def test_token_bytes_join_back_into_the_text_where_single_tokens_decode_to_u_fffd(smol_tokenizer, text):
+    from precache.engine.detokenize import token_bytes
+
+    ids = smol_tokenizer.encode(text, add_special_tokens=False)
+    pieces = [token_bytes(smol_tokenizer, i) for i in ids]
+    assert b"".join(pieces) == text.encode("utf-8")
+    if text == "😊":  # a 4-byte character split across byte-level tokens
+        assert len(ids) > 1 and all(smol_tokenizer.decode([i]) == REPLACEMENT for i in ids)

@@ -5,6 +5,8 @@ stop_token_ids, echo, the chat-template options, context overflow, unknown and i
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -47,6 +49,7 @@ def _assert_refused(r, field):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == field and field in error["message"]
+    assert isinstance(error["code"], str) and error["code"]  # every 400 carries a code
 
 
 # -- refused -------------------------------------------------------------------------------------
@@ -64,9 +67,13 @@ def test_every_refused_vllm_field_is_a_400_naming_it(served, field, path):
 REFUSED_VALUES = [
     ("completions", {"frobnicate": 1}, "frobnicate"),
     ("chat/completions", {"temperaturee": 0.5}, "temperaturee"),
-    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"response_format": {"type": "yaml"}}, "response_format"),
     ("completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-    ("chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+    # the test tokenizer (one word-level token per character) is one llguidance cannot read
+    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("completions", {"guided_regex": "[0-9]+"}, "guided_regex"),
+    ("chat/completions", {"tool_choice": "auto"}, "tool_choice"),  # tool_choice without tools
+    ("completions", {"tool_choice": "required"}, "tool_choice"),
     ("completions", {"best_of": 3}, "best_of"),
     ("chat/completions", {"continue_final_message": True}, "continue_final_message"),
     ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),
@@ -88,6 +95,16 @@ REFUSED_VALUES = [
     ("completions", {"n": 0}, "n"),
     ("chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
     ("chat/completions", {"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    ("completions", {"stop": [""]}, "stop"),  # vLLM: "stop cannot contain an empty string"
+    ("chat/completions", {"stop": ["ok", ""]}, "stop"),
+    ("completions", {"logit_bias": {"05": 1}}, "logit_bias"),  # one spelling per token id
+    ("completions", {"logit_bias": {" 5": 1}}, "logit_bias"),
+    ("completions", {"logit_bias": {"\uff15": 1}}, "logit_bias"),  # a full-width 5
+    ("completions", {"logit_bias": {"+5": 1}}, "logit_bias"),
+    ("completions", {"session_id": "s" * 257}, "session_id"),
+    ("chat/completions", {"request_id": "r" * 257}, "request_id"),
+    ("completions", {"prompt": [True, False]}, "prompt"),  # booleans are not token ids
+    ("completions", {"stop_token_ids": [True]}, "stop_token_ids"),
 ]
 
 
@@ -372,3 +389,95 @@ def test_request_id_and_max_completion_tokens(served):
         extra_body={"ignore_eos": True, "request_id": "abc123"},
     )
     assert got.id == "chatcmpl-abc123" and got.usage.completion_tokens == 7
+
+
+def test_a_long_model_name_is_quoted_only_in_part(served):
+    server, _ = served
+    r = _post(server, "completions", {**_completion_body(), "model": "m" * 100_000})
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert error["code"] == "model_not_found" and len(error["message"]) < 400
+    assert "100002 characters" in error["message"]  # the quoted repr's length is said
+
+
+def test_a_temperature_that_underflows_samples_greedily(served, offline):
+    server, client = served
+    ids = offline.encode(PROMPT)
+    want = _offline(offline, ids, max_new_tokens=6).text
+    for t in (1e-300, 5e-6):
+        r = _post(server, "completions", _completion_body(prompt=ids, max_tokens=6, temperature=t))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
+
+
+def test_chat_logprobs_bytes_are_each_tokens_own_bytes(served):
+    server, _ = served
+    r = _post(
+        server, "chat/completions", _chat_body(logprobs=True, top_logprobs=2, max_tokens=5, temperature=0)
+    )
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    # one token per character (the test tokenizer): a token's bytes are its character's UTF-8
+    for entry in content:
+        assert bytes(entry["bytes"]) == entry["token"].encode("utf-8")
+        for top in entry["top_logprobs"]:
+            assert bytes(top["bytes"]) == top["token"].encode("utf-8")
+
+
+# -- several prompts in one /v1/completions request ----------------------------------------------
+PROMPTS = ["Once upon a time", "In a castle far", "The knight said"]
+
+
+def test_a_list_of_prompts_answers_n_choices_per_prompt_in_openai_order(served, offline):
+    server, _ = served
+    body = _completion_body(prompt=PROMPTS, n=2, max_tokens=5, temperature=0, ignore_eos=True)
+    r = _post(server, "completions", body)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert [c["index"] for c in got["choices"]] == list(range(6))
+    for i, prompt in enumerate(PROMPTS):
+        want = _offline(offline, offline.encode(prompt), max_new_tokens=5, ignore_eos=True).text
+        assert [got["choices"][2 * i + j]["text"] for j in range(2)] == [want, want]
+    lengths = [len(offline.encode(p)) for p in PROMPTS]
+    assert got["usage"]["prompt_tokens"] == sum(lengths)
+    assert got["usage"]["completion_tokens"] == 6 * 5
+    assert len(got["session_ids"]) == 3
+
+
+def test_a_list_of_token_id_prompts_streams_each_choice_by_index(served, offline):
+    server, _ = served
+    prompts = [offline.encode(p) for p in PROMPTS[:2]]
+    body = _completion_body(prompt=prompts, max_tokens=4, temperature=0, ignore_eos=True, stream=True)
+    body["stream_options"] = {"include_usage": True}
+    texts: dict[int, str] = {}
+    usage = None
+    with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for c in chunk["choices"]:
+                texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+            usage = chunk.get("usage") or usage
+    for i, ids in enumerate(prompts):
+        assert texts[i] == _offline(offline, ids, max_new_tokens=4, ignore_eos=True).text
+    assert usage["prompt_tokens"] == sum(len(p) for p in prompts)
+
+
+def test_the_openai_client_sends_a_batch_of_prompts(served, offline):
+    _, client = served
+    got = client.completions.create(model="plan", prompt=PROMPTS, max_tokens=3, temperature=0)
+    assert sorted(c.index for c in got.choices) == [0, 1, 2]
+    for c in got.choices:
+        assert c.text == _offline(offline, offline.encode(PROMPTS[c.index]), max_new_tokens=3).text
+
+
+@pytest.mark.parametrize(
+    "fields", [{"echo": True}, {"return_token_ids": True}, {"session_id": "s1"}, {"n": 100}]
+)
+def test_fields_that_name_one_prompt_are_refused_with_several(served, fields):
+    server, _ = served
+    r = _post(server, "completions", _completion_body(prompt=PROMPTS, **fields))
+    field = next(iter(fields))
+    _assert_refused(r, "prompt" if field == "n" else field)

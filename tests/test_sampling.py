@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
 
 import precache
 from precache.config import SamplingParams
-from precache.engine.sampler import shape_logits, token_logprobs
+from precache.engine.sampler import sample, shape_logits, token_logprobs
 from tests.tiny import tiny_model
 
 VOCAB = 96
@@ -99,9 +99,19 @@ def test_bad_fields_are_refused_by_name():
         ("logprobs", -1),
         ("logit_bias", ((1, 200.0),)),
         ("min_tokens", 99),
+        ("stop", ("",)),  # vLLM refuses an empty stop string
+        ("stop", ("end", "")),
     ]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(max_new_tokens=10, **{field: value})
+
+
+def test_a_temperature_below_vllms_epsilon_is_greedy_and_never_overflows():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0)) * 30
+    for t in (1e-300, 1e-6):
+        params = SamplingParams(max_new_tokens=1, temperature=t)
+        assert params.greedy and sample(logits, params) == int(torch.argmax(logits))
+    assert not SamplingParams(max_new_tokens=1, temperature=1e-5).greedy  # vLLM's _SAMPLING_EPS
 
 
 @pytest.fixture(scope="module")

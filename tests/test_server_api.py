@@ -4,6 +4,7 @@ every bad request with its status code, client disconnects, /health, /metrics, /
 
 from __future__ import annotations
 
+import logging
 import time
 
 import httpx
@@ -224,3 +225,26 @@ def test_health_and_metrics(served):
         assert name in text
     cache_bytes = next(line for line in text.splitlines() if line.startswith("precache_kv_cache_bytes "))
     assert float(cache_bytes.split()[1]) > 0
+
+
+def test_each_request_gets_one_access_line_by_default(served, caplog):
+    server, _ = served
+    with caplog.at_level(logging.INFO, logger="precache.server.access"):
+        body = {"model": "plan", "prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+        assert httpx.post(f"{server.url}/completions", json=body, timeout=60).status_code == 200
+        with httpx.stream(
+            "POST", f"{server.url}/completions", json={**body, "stream": True}, timeout=60
+        ) as r:
+            list(r.iter_lines())
+        assert (
+            httpx.post(f"{server.url}/completions", json={**body, "model": "nope"}, timeout=60).status_code
+            == 404
+        )
+        httpx.get(f"{server.url.removesuffix('/v1')}/health", timeout=10)
+    lines = [r.getMessage() for r in caplog.records if r.name == "precache.server.access"]
+    done = [line for line in lines if line.startswith("POST /v1/completions 200")]
+    assert len(done) == 2, lines
+    for line in done:
+        assert "model=plan" in line and "completion=3" in line and "ttft=" in line and "ttft=-" not in line
+    assert any(line.startswith("POST /v1/completions 404") for line in lines)
+    assert not any("/health" in line for line in lines)

@@ -72,7 +72,11 @@ def trace_markdown(result: dict) -> str:
 
 def trace_table(result: dict) -> Table:
     """The same as :func:`trace_markdown`, for the terminal."""
-    table = _table(f"trace {result['trace']}", [h for _, h, _ in TRACE_COLUMNS])
+    table = _table(
+        f"trace {result['trace']}; (x) = ratio to NonShared (below 1x: less time or memory, above 1x: "
+        f"more tokens/s)",
+        [h for _, h, _ in TRACE_COLUMNS],
+    )
     for name, entry in result["methods"].items():
         table.add_row(name, *_trace_cells(entry))
     return table

@@ -226,6 +226,7 @@ def serve_from_args(args) -> int:
         model_name=args.served_model_name or Path(checkpoint_name(folder)).name,
         max_running=args.max_num_seqs,
         max_step_tokens=args.max_num_batched_tokens,
+        tool_call_parser=args.tool_call_parser,
     )
     tokenizer = (
         AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None

@@ -25,7 +25,7 @@ from precache.cluster.replica import ForwardedRequest, ResponseStart
 from precache.cluster.routing import block_hashes
 from precache.server.codec import Codec
 from precache.server.errors import APIError, error_body
-from precache.server.prompts import chat_prompt, completion_prompt
+from precache.server.prompts import chat_prompt, completion_prompts
 from precache.server.protocol import ChatRequest, CompletionRequest
 from precache.server.responses import sse
 from precache.server.tenants import Tenants
@@ -54,11 +54,13 @@ def routing_codec(tokenizer, max_context: int, trust_special: bool = False) -> C
 
 
 def prompt_ids(path: str, body: bytes, codec, vocab_size: int) -> list[int]:
-    """Token ids of a generation request's prompt, computed by the server's own protocol functions;
-    ``[]`` for any other request or one the replica will refuse (it answers with the error)."""
+    """Token ids of a generation request's (first) prompt, computed by the server's own protocol
+    functions; ``[]`` for any other request or one the replica will refuse (it answers with the
+    error). A completions request with several prompts is routed by its first."""
     try:
         if path == "/v1/completions":
-            return completion_prompt(CompletionRequest.model_validate(json.loads(body)), codec, vocab_size)
+            req = CompletionRequest.model_validate(json.loads(body))
+            return completion_prompts(req, codec, vocab_size)[0]
         if path == "/v1/chat/completions":
             return chat_prompt(ChatRequest.model_validate(json.loads(body)), codec)
     except (APIError, ValueError):  # a request the replica refuses (it answers with the error)

@@ -14,6 +14,10 @@ the turn's text, so ``Session.generate``, ``Session.stream`` and the server retu
 
 from __future__ import annotations
 
+import functools
+import json
+import re
+import weakref
 from collections.abc import Callable, Sequence
 
 REPLACEMENT = "\ufffd"
@@ -108,3 +112,65 @@ class StopStrings:
         out = self.text[self.sent : max(end, self.sent)]
         self.sent = max(end, self.sent)
         return out
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-ins for the 256 bytes (``bytes_to_unicode``), inverted."""
+    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+_DECODER_TYPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _decoder_types(tokenizer) -> set[str]:
+    """The types in a fast tokenizer's decoder pipeline (``ByteLevel``, ``ByteFallback``, ...),
+    read once per tokenizer."""
+    if tokenizer not in _DECODER_TYPES:
+        _DECODER_TYPES[tokenizer] = _read_decoder_types(tokenizer)
+    return _DECODER_TYPES[tokenizer]
+
+
+def _read_decoder_types(tokenizer) -> set[str]:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return set()
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    found, stack = set(), [decoder]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            found.add(node.get("type"))
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return found
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The bytes token ``token_id`` stands for, which may be part of a UTF-8 character (the OpenAI
+    logprobs ``bytes`` field: the bytes of the tokens of one character join back into it).
+
+    Byte-level BPE (GPT-2, Llama 3, SmolLM2): the token's printable stand-ins mapped back to bytes.
+    SentencePiece byte fallback (Llama 2, Mistral): ``<0xAB>`` is the byte 0xAB and ``▁`` a space.
+    A special token (and any other tokenizer): the UTF-8 bytes of its decoded text.
+    """
+    if token_id in set(getattr(tokenizer, "all_special_ids", ())):
+        return tokenizer.decode([token_id]).encode("utf-8")
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    kinds = _decoder_types(tokenizer)
+    if "ByteLevel" in kinds:
+        alphabet = _byte_level_alphabet()
+        if all(ch in alphabet for ch in piece):
+            return bytes(alphabet[ch] for ch in piece)
+    if "ByteFallback" in kinds or "\u2581" in piece:
+        match = _BYTE_FALLBACK.fullmatch(piece)
+        if match:
+            return bytes([int(match.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+    return tokenizer.decode([token_id]).encode("utf-8")

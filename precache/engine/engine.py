@@ -15,6 +15,7 @@ from precache.cache.pool import DEFAULT_BLOCK_SIZE
 from precache.compute import on_compute
 from precache.config import SamplingOptions
 from precache.engine.concurrency import run_concurrently
+from precache.engine.detokenize import token_bytes
 from precache.engine.outputs import Turn
 from precache.engine.request import Request
 from precache.engine.scheduler import Batch, Scheduler
@@ -139,6 +140,14 @@ class Engine:
             return " ".join(map(str, token_ids))
         with TOKENIZER_LOCK:
             return self.tokenizer.decode(token_ids, **{"skip_special_tokens": False, **options})
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for, possibly part of a UTF-8 character
+        (:func:`~precache.engine.detokenize.token_bytes`). Without a tokenizer: its id as text."""
+        if self.tokenizer is None:
+            return str(token_id).encode("ascii")
+        with TOKENIZER_LOCK:
+            return token_bytes(self.tokenizer, token_id)
 
     # -- batching: one scheduler, one forward per step -------------------------------------------
     def _forward(self, plans: list) -> list:

@@ -27,6 +27,7 @@ from precache.config import SamplingParams
 from precache.engine.detokenize import IncrementalDetokenizer, StopStrings
 from precache.engine.outputs import StreamChunk, TokenLogprob, Turn
 from precache.engine.sampler import sample, shape_logits, token_logprobs
+from precache.engine.structured import GrammarMatcher
 from precache.errors import RequestCancelledError
 
 if TYPE_CHECKING:
@@ -183,6 +184,16 @@ class Request:
             )
         )
         self.stops = StopStrings(params.stop, params.include_stop_str_in_output)
+        self.grammar = (
+            GrammarMatcher(
+                engine.tokenizer,
+                engine.model.config.vocab_size,
+                params.structured_output,
+                tuple(engine.eos_token_ids),
+            )
+            if params.structured_output is not None and self.forced is None
+            else None
+        )
         self.text: list[str] = []  # the pieces sent so far (their concatenation is the turn's text)
         self.matched_stop: str | int | None = None
         self.token_logprobs: list[TokenLogprob] = []
@@ -270,7 +281,11 @@ class Request:
             if self.params.shapes_logits:
                 prompt = s.token_ids[: self.prompt_tokens]
                 shaped = shape_logits(logits, self.params, prompt, self.out, self.stop_ids)
+            if self.grammar is not None:
+                shaped = self.grammar.mask(shaped)
             token = sample(shaped, self.params, self.generator)
+            if self.grammar is not None and token not in self.stop_ids:
+                self.grammar.accept(token)
         logprob = None
         if self.params.logprobs is not None:
             lp, top = token_logprobs(logits, token, self.params.logprobs)
@@ -281,6 +296,8 @@ class Request:
         if len(self.out) == 1:
             self.t_first = time.perf_counter()
         text, reason = self._text(token)
+        if reason is None and self.grammar is not None and self.grammar.done:
+            reason = "stop"  # the constraint is complete: nothing more may follow
         self.text.append(text)
         if reason or len(self.out) >= self.budget:
             self.finish(reason or "length")

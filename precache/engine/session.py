@@ -18,6 +18,7 @@ from precache.cache.swap import SwappedBlocks, swap_in
 from precache.config import SamplingOptions, SamplingParams
 from precache.engine.outputs import StreamChunk, Turn
 from precache.engine.request import Request
+from precache.engine.structured import check_structured_output
 from precache.errors import ContextLengthError, EmptyRequestError, SessionBusyError, UnknownAdapterError
 
 
@@ -261,6 +262,8 @@ class Session:
             bad = [t for t in bad if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{name}: token ids must be in [0, {vocab}), got {bad[:5]}")
+        if params.structured_output is not None:
+            check_structured_output(self.engine, params.structured_output)
         self.check_room()
         return params
 

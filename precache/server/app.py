@@ -12,6 +12,7 @@ each request runs for its tenant (:mod:`precache.server.tenants`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -21,16 +22,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from precache.engine.outputs import StreamChunk, Turn
+from precache.engine.structured import check_structured_output
+from precache.errors import StructuredOutputError
+from precache.server.access import STATE_KEY as ACCESS_STATE_KEY
+from precache.server.access import AccessLog
 from precache.server.codec import Codec
 from precache.server.config import ServerConfig
-from precache.server.errors import APIError, error_body, install_error_handlers
+from precache.server.errors import APIError, error_body, install_error_handlers, quote
 from precache.server.guard import KEY_SCOPE, Guard
-from precache.server.jobs import ErrorEvent, Job
+from precache.server.jobs import ErrorEvent, Job, JobGroup
 from precache.server.loop import ServerLoop
 from precache.server.metrics import ServerMetrics
-from precache.server.prompts import chat_prompt, completion_prompt, echo_text
+from precache.server.prompts import chat_prompt, completion_prompts, echo_text
 from precache.server.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
+    STRUCTURED_FIELDS,
     ChatRequest,
     CompletionRequest,
     check_fields,
@@ -42,6 +48,7 @@ from precache.server.protocol import (
 )
 from precache.server.responses import Renderer, sse
 from precache.server.tenants import Tenants
+from precache.server.tools import get_parser, tool_constraint, tool_request
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +80,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     app.add_middleware(
         Guard, tenants=Tenants(config.api_keys), max_body_bytes=config.max_request_bytes, metrics=metrics
     )
+    app.add_middleware(AccessLog)  # outermost: refusals by the guard get their line too
     _add_routes(app, _Api(engine, config, codec, scheduler, metrics), metrics)
     return app
 
@@ -97,22 +105,26 @@ def _add_routes(app: FastAPI, api: _Api, metrics: ServerMetrics) -> None:
 
     vocab = engine.model.config.vocab_size
 
-    def completion_ids(body: CompletionRequest) -> list[int]:
-        return completion_prompt(body, codec, vocab)
+    def completion_ids(body: CompletionRequest, tools: None) -> list[list[int]]:
+        return completion_prompts(body, codec, vocab)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        job, renderer = await run_in_threadpool(
+        group, renderer = await run_in_threadpool(
             api.prepare, body, request.scope.get(KEY_SCOPE), completion_ids, "completion"
         )
-        return await api.generate(request, body, job, renderer)
+        return await api.generate(request, body, group, renderer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        job, renderer = await run_in_threadpool(
-            api.prepare, body, request.scope.get(KEY_SCOPE), lambda b: chat_prompt(b, codec), "chat"
+        group, renderer = await run_in_threadpool(
+            api.prepare,
+            body,
+            request.scope.get(KEY_SCOPE),
+            lambda b, tools: [chat_prompt(b, codec, api.tool_parser, tools)],
+            "chat",
         )
-        return await api.generate(request, body, job, renderer)
+        return await api.generate(request, body, group, renderer)
 
 
 class _Api:
@@ -123,6 +135,7 @@ class _Api:
     ):
         self.engine, self.config, self.codec, self.scheduler = engine, config, codec, scheduler
         self.metrics = metrics
+        self.tool_parser = get_parser(config.tool_call_parser)
         self.created = int(time.time())
 
     def model_cards(self) -> list[dict]:
@@ -141,12 +154,15 @@ class _Api:
             return model
         known = ", ".join([self.config.model_name, *self.engine.adapters])
         raise APIError(
-            404, f"the model '{model}' does not exist (models: {known})", "model", "model_not_found"
+            404, f"the model {quote(model)} does not exist (models: {known})", "model", "model_not_found"
         )
 
-    def prepare(self, body, key: str | None, prompt_ids, kind: str) -> tuple[Job, Renderer]:
-        """Validate ``body`` and tokenise its prompt (``prompt_ids(body)``) on a worker thread: the
-        job (for the tenant of ``key`` and ``body.cache_salt``) and its renderer.
+    def prepare(self, body, key: str | None, prompt_ids, kind: str) -> tuple[JobGroup, Renderer]:
+        """Validate ``body`` and tokenise its prompts (``prompt_ids(body, tools)``: one list of token
+        ids per prompt; ``tools``: a chat request's :class:`~precache.server.tools.ToolRequest`,
+        shown in the prompt, forced by a constraint when required and parsed out of the answer) on
+        a worker thread: one job per prompt (for the tenant of ``key`` and ``body.cache_salt``) and
+        the response's renderer.
 
         Raises:
             APIError: 4xx, the request is refused (nothing was queued).
@@ -154,14 +170,42 @@ class _Api:
         check_unicode(body.model_dump(exclude_unset=True))  # first: error messages may quote fields
         agent = self.agent(body.model)
         check_fields(body)  # the field policy before any tokenising
-        ids = prompt_ids(body)
-        check_prompt(ids, self.engine.max_context)
-        room = self.engine.max_context - len(ids)
+        tools = (
+            tool_request(body.tools, body.tool_choice, body.parallel_tool_calls) if kind == "chat" else None
+        )
+        prompts = prompt_ids(body, tools)
+        for ids in prompts:
+            check_prompt(ids, self.engine.max_context)
+        room = self.engine.max_context - len(prompts[0])
         params = sampling_params(body, COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else room)
-        check_room(body, len(ids), params.max_new_tokens, self.engine.max_context)
+        for ids in prompts:
+            check_room(body, len(ids), params.max_new_tokens, self.engine.max_context)
         check_token_ids(params, self.engine.model.config.vocab_size)
+        constraint = tool_constraint(tools, self.tool_parser) if tools is not None else None
+        if constraint is not None:
+            if params.structured_output is not None:
+                raise APIError(
+                    400,
+                    "tool_choice: a required or named tool call cannot be combined with a structured-output "
+                    "constraint",
+                    "tool_choice",
+                    "invalid_value",
+                )
+            params = dataclasses.replace(params, structured_output=constraint)
+        elif params.structured_output is not None:
+            try:
+                check_structured_output(self.engine, params.structured_output)
+            except StructuredOutputError as exc:
+                field = next(f for f in STRUCTURED_FIELDS if getattr(body, f, None) is not None)
+                raise APIError(400, f"{field}: {exc}", field, "invalid_value") from None
         tenant = Tenants.tenant(key, body.cache_salt)
-        job = Job(agent, ids, params, body.model, body.session_id, tenant=tenant, stream=bool(body.stream))
+        group = JobGroup(
+            [
+                Job(agent, ids, params, body.model, body.session_id, tenant=tenant, stream=bool(body.stream))
+                for ids in prompts
+            ]
+        )
+        ids = prompts[0]
         renderer = Renderer(
             kind,
             body.model,
@@ -171,19 +215,27 @@ class _Api:
             tokens_as_ids=bool(body.return_tokens_as_token_ids),
             echo=echo_text(body, ids, self.codec),
             request_id=body.request_id,
+            choices_per_prompt=params.n,
+            tool_parser=self.tool_parser if tools is not None else None,
         )
-        return job, renderer
+        return group, renderer
 
-    async def generate(self, request: Request, body, job: Job, renderer: Renderer):
-        """Queue ``job`` on the server loop and answer: a stream, or the whole response."""
+    async def generate(self, request: Request, body, job: JobGroup, renderer: Renderer):
+        """Queue the request's jobs on the server loop and answer: a stream, or the whole response."""
         job.bind(asyncio.get_running_loop())
-        self.scheduler.submit(job)
+        setattr(request.state, ACCESS_STATE_KEY, job)  # its access-log line
+        for one in job.jobs:
+            self.scheduler.submit(one)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(self._stream(job, renderer, usage), media_type="text/event-stream")
         return await self._complete(job, renderer, request)
 
-    async def _stream(self, job: Job, renderer: Renderer, include_usage: bool):
+    def _cancel(self, job: JobGroup) -> None:
+        for one in job.jobs:
+            self.scheduler.cancel(one.id)
+
+    async def _stream(self, job: JobGroup, renderer: Renderer, include_usage: bool):
         """SSE chunks in the OpenAI format, then ``data: [DONE]``. A chunk goes out when a token
         makes text safe to send, with the log-probabilities of every token since the last chunk.
         A client that leaves cancels the job (Starlette cancels this generator when the connection
@@ -201,14 +253,17 @@ class _Api:
                         pending[event.index].append(event.logprob)
                     if event.text:
                         entries = pending[event.index] if wants_logprobs else None
-                        yield sse(renderer.chunk(event.index, event.text, entries))
-                        pending[event.index] = []
+                        piece = renderer.chunk(event.index, event.text, entries)
+                        if piece is not None:  # None: held back until the answer is whole
+                            yield sse(piece)
+                            pending[event.index] = []
                 elif isinstance(event, Turn):
                     turns[event.index] = event
                     entries = pending[event.index] if wants_logprobs else None
                     yield sse(renderer.last_chunk(event.index, event, entries))
                 else:
                     over = True
+                    self._cancel(job)  # the request's other prompts, if any, stop too
                     self.metrics.error(event.status, event.code)
                     yield sse(error_body(event.status, event.message, None, event.code))
                     break
@@ -219,9 +274,9 @@ class _Api:
             yield sse("[DONE]")
         finally:
             if not over:
-                self.scheduler.cancel(job.id)
+                self._cancel(job)
 
-    async def _complete(self, job: Job, renderer: Renderer, request: Request):
+    async def _complete(self, job: JobGroup, renderer: Renderer, request: Request):
         """Wait for every choice; a client that leaves first cancels the job."""
 
         async def collect() -> list[Turn] | ErrorEvent:
@@ -237,11 +292,12 @@ class _Api:
         await asyncio.wait({result, left}, return_when=asyncio.FIRST_COMPLETED)
         if not result.done():
             result.cancel()
-            self.scheduler.cancel(job.id)
+            self._cancel(job)
             return Response(status_code=499)  # nobody reads it: the client closed the connection
         left.cancel()
         final = result.result()
         if isinstance(final, ErrorEvent):
+            self._cancel(job)  # the request's other prompts, if any, stop too
             raise APIError(final.status, final.message, code=final.code)
         return renderer.body(final)
 

@@ -22,6 +22,7 @@ from precache.methods import METHOD_REGISTRY
 from precache.resources import adapter_set
 from precache.server.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
 from precache.server.tenants import APIKeyError, read_api_keys
+from precache.server.tools import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ def serve(args: argparse.Namespace) -> int:
         api_keys=api_keys,
         max_request_bytes=args.max_request_bytes,
         trust_client_special_tokens=args.trust_client_special_tokens,
+        tool_call_parser=args.tool_call_parser,
     )
     banner = (
         f"serving {config.model_name} ({engine.method_name}, adapters: {', '.join(adapters) or 'none'}) "
@@ -247,6 +249,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--trust-client-special-tokens",
         action="store_true",
         help="let chat message content spell the template's control tokens (default: they stay text)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default="hermes",
+        help="format of tool calls in the model's answers (vLLM's flag; default hermes: "
+        "<tool_call>{json}</tool_call>)",
     )
     p.add_argument(
         "--shutdown-timeout",

@@ -64,7 +64,9 @@ class Codec:
             APIError: 400, the model has no tokenizer.
         """
         if self.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
+            raise APIError(
+                400, "this model has no tokenizer: send the prompt as token ids", "prompt", "no_tokenizer"
+            )
         self.check_length(text, "prompt")
         with self._lock:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -79,7 +81,9 @@ class Codec:
             APIError: 400, no chat template, or the template refuses the messages or options.
         """
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template: use /v1/completions", "messages")
+            raise APIError(
+                400, "this model has no chat template: use /v1/completions", "messages", "no_chat_template"
+            )
         options = {"add_generation_prompt": True, **(options or {})}
         markers: dict[str, str] = {}
         if not self.trust_special:
@@ -88,7 +92,9 @@ class Codec:
             try:
                 text = self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
             except Exception as exc:  # jinja raises its own errors for messages a template refuses
-                raise APIError(400, f"the chat template refused the request: {exc}", "messages") from exc
+                raise APIError(
+                    400, f"the chat template refused the request: {exc}", "messages", "chat_template_error"
+                ) from exc
         self.check_length(text, "messages")
         with self._lock:
             if not markers:
@@ -138,3 +144,9 @@ class Codec:
         """A token's own text for log-probabilities (``token_id:<id>`` with ``as_id``, vLLM's
         ``return_tokens_as_token_ids``)."""
         return f"token_id:{token_id}" if as_id else self.decode([token_id])
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The bytes the token stands for (the OpenAI logprobs ``bytes``: the tokens of one character
+        join back into its UTF-8 bytes, where the token's text alone is U+FFFD)."""
+        with self._lock:
+            return list(self.engine.token_bytes(token_id))

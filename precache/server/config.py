@@ -22,6 +22,9 @@ class ServerConfig:
     no authentication); each key is a tenant of its own. ``max_request_bytes``: the largest request
     body (larger: 413). ``trust_client_special_tokens``: chat message content may spell the chat
     template's control tokens (off: such strings stay text).
+
+    ``tool_call_parser``: the format of tool calls in the model's answers
+    (:data:`~precache.server.tools.TOOL_PARSERS`: ``hermes``, ``llama3_json``, ``mistral``).
     """
 
     model_name: str = "base"
@@ -31,6 +34,7 @@ class ServerConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     trust_client_special_tokens: bool = False
+    tool_call_parser: str = "hermes"
 
     def __post_init__(self):
         if self.max_running < 1 or self.max_step_tokens < 1 or self.min_fork_tokens < 0:

@@ -23,13 +23,34 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+#: the most characters of a client's value an error message quotes
+MAX_QUOTE_CHARS = 64
+#: the longest error message (a message that quotes values is cut there)
+MAX_MESSAGE_CHARS = 1024
+#: the code of an error raised without one, by status
+DEFAULT_CODES = {400: "invalid_request", 404: "not_found", 413: "request_too_large", 503: "unavailable"}
+
+
+def quote(value: object) -> str:
+    """``repr(value)``, cut to :data:`MAX_QUOTE_CHARS` characters with the length said: an error
+    message never echoes a client's long value back whole."""
+    text = repr(value)
+    if len(text) <= MAX_QUOTE_CHARS:
+        return text
+    return f"{text[:MAX_QUOTE_CHARS]}... ({len(text)} characters)"
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     """The OpenAI error object for HTTP ``status`` (a lone surrogate quoted from the request becomes
-    ``?``: the body must encode as UTF-8)."""
+    ``?``: the body must encode as UTF-8); the message is cut at :data:`MAX_MESSAGE_CHARS`, and an
+    error raised without a code gets its status's (:data:`DEFAULT_CODES`, else ``internal_error``
+    for 5xx and ``invalid_request`` for 4xx)."""
     message = message.encode("utf-8", "replace").decode("utf-8")
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[:MAX_MESSAGE_CHARS] + "..."
     kind = "invalid_request_error" if status < 500 else "server_error"
-    if status == 404 and code is None:
-        code = "not_found"
+    if code is None:
+        code = DEFAULT_CODES.get(status, "internal_error" if status >= 500 else "invalid_request")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -54,8 +75,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
             return f"malformed JSON body: {exc}", None, "invalid_json"
         return "send the body as JSON (content-type: application/json)", None, "invalid_json"
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    where = f"{param}: " if param else ""
+    param = (
+        loc[0] if loc else None
+    )  # the request field (the path below it, e.g. a union member, is in the message)
+    where = f"{'.'.join(loc)}: " if loc else ""
     return f"{where}{first.get('msg', 'invalid request')}", param, "invalid_value"
 
 

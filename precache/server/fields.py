@@ -16,7 +16,6 @@ IGNORED = frozenset(
         "service_tier",
         "prompt_cache_key",
         "safety_identifier",
-        "parallel_tool_calls",
     }
     | {"include_reasoning"}  # no reasoning parser: the text is never split into reasoning and content
 )
@@ -33,14 +32,12 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "truncate_prompt_tokens": ((None,), "prompt truncation is not supported: send a shorter prompt"),
     "allowed_token_ids": ((None,), "allowed_token_ids is not supported"),
     "bad_words": ((None, []), "bad_words is not supported"),
-    "guided_json": ((None,), "structured outputs (guided decoding) are not supported"),
-    "guided_regex": ((None,), "structured outputs (guided decoding) are not supported"),
-    "guided_choice": ((None,), "structured outputs (guided decoding) are not supported"),
-    "guided_grammar": ((None,), "structured outputs (guided decoding) are not supported"),
-    "guided_decoding_backend": ((None,), "structured outputs (guided decoding) are not supported"),
-    "guided_whitespace_pattern": ((None,), "structured outputs (guided decoding) are not supported"),
-    "structural_tag": ((None,), "structured outputs (guided decoding) are not supported"),
-    "structured_outputs": ((None,), "structured outputs (guided decoding) are not supported"),
+    "guided_decoding_backend": (
+        (None, "guidance", "llguidance"),
+        "the structured-output backend is llguidance",
+    ),
+    "guided_whitespace_pattern": ((None,), "guided_whitespace_pattern is not supported"),
+    "structural_tag": ((None,), "structural tags are not supported"),
     "logits_processors": ((None, []), "custom logits processors are not supported"),
     "priority": ((0, None), "priority scheduling is not supported (requests run in arrival order)"),
     "kv_transfer_params": ((None,), "disaggregated serving (kv_transfer_params) is not supported"),
@@ -49,7 +46,6 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "media_io_kwargs": ((None,), "multimodal inputs are not supported"),
     "prompt_embeds": ((None,), "prompt embeddings are not supported: send text or token ids"),
     "suffix": ((None,), "suffix (insertion) is not supported"),
-    "tools": ((None, []), "tool calling is not supported"),
     "functions": ((None, []), "function calling is not supported"),
     "function_call": ((None, "none"), "function calling is not supported"),
     "reasoning_effort": ((None,), "reasoning_effort is not supported"),

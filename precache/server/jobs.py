@@ -2,7 +2,7 @@
 what the loop sends back to its handler.
 
 The server loop (:mod:`precache.server.loop`) calls :meth:`Job.emit`; the handler awaits
-:meth:`Job.events` on the event loop. The hand-over is ``loop.call_soon_threadsafe`` into an
+:meth:`JobGroup.events` (the jobs of one HTTP request) on the event loop. The hand-over is ``loop.call_soon_threadsafe`` into an
 ``asyncio.Queue``. Events are the engine's outputs as they are: each sampled token of choice
 ``index`` (:class:`~precache.engine.outputs.StreamChunk`), each choice's finished
 :class:`~precache.engine.outputs.Turn`, or an :class:`ErrorEvent` that ends the job.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -70,6 +71,7 @@ class Job:
     request: Request | None = field(default=None, repr=False)
     first_token_s: float | None = None
     reported: set[int] = field(default_factory=set)
+    base: int = 0  # the index of its first choice in the response (several prompts: prompt i * n)
     id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.perf_counter)
     loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
@@ -80,24 +82,69 @@ class Job:
         """Choices asked for."""
         return self.params.n
 
-    def bind(self, loop: asyncio.AbstractEventLoop) -> Job:
-        """Deliver events to ``loop`` (call on that loop before submitting)."""
-        self.loop, self.queue = loop, asyncio.Queue()
+    def bind(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue | None = None) -> Job:
+        """Deliver events to ``loop`` (call on that loop before submitting), into ``queue`` when the
+        job is one prompt of several (:class:`JobGroup`)."""
+        self.loop, self.queue = loop, queue or asyncio.Queue()
         return self
 
     def emit(self, event: Event) -> None:
-        """Send ``event`` to the handler (any thread); dropped when the loop is gone."""
+        """Send ``event`` to the handler (any thread), its choice index counted from ``base``;
+        dropped when the loop is gone."""
         if self.loop is None:
             return
+        if self.base and isinstance(event, StreamChunk | Turn):
+            event = dataclasses.replace(event, index=event.index + self.base)
         with contextlib.suppress(RuntimeError):  # the loop closed: the server is shutting down
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
+
+@dataclass
+class JobGroup:
+    """The jobs of one HTTP request: one per prompt (a completions request may send a list), whose
+    choices are numbered prompt by prompt (job ``i`` answers choices ``i * n .. i * n + n - 1``, the
+    OpenAI order) and whose events arrive on one queue."""
+
+    jobs: list[Job]
+    turns: dict[int, Turn] = field(default_factory=dict)  # the choices' turns as they arrive
+
+    @property
+    def n(self) -> int:
+        """Choices of the whole response."""
+        return sum(job.n for job in self.jobs)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.jobs[0].params
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> JobGroup:
+        queue: asyncio.Queue = asyncio.Queue()
+        base = 0
+        for job in self.jobs:
+            job.base = base
+            job.bind(loop, queue)
+            base += job.n
+        return self
+
     async def events(self) -> AsyncIterator[Event]:
-        """Events until (and with) the last choice's :class:`Turn` or an :class:`ErrorEvent`."""
-        left = self.n
+        """Every job's events until the last choice's :class:`Turn` or an :class:`ErrorEvent`."""
+        queue, left = self.jobs[0].queue, self.n
         while left:
-            event = await self.queue.get()
+            event = await queue.get()
             yield event
             if isinstance(event, ErrorEvent):
                 return
-            left -= isinstance(event, Turn)
+            if isinstance(event, Turn):
+                self.turns[event.index] = event
+                left -= 1
+
+    def summary(self) -> str:
+        """The access-log fields: model, tokens (prompt, cached, completion) and TTFT so far."""
+        first = [self.turns[j.base] for j in self.jobs if j.base in self.turns]
+        firsts = [j.first_token_s - j.arrival for j in self.jobs if j.first_token_s is not None]
+        ttft = f"{min(firsts):.3f}s" if firsts else "-"
+        return (
+            f"model={self.jobs[0].model} prompt={sum(t.prompt_tokens for t in first)} "
+            f"cached={sum(t.cached_tokens for t in first)} "
+            f"completion={sum(t.new_tokens for t in self.turns.values())} ttft={ttft}"
+        )

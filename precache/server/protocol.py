@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictInt
 
-from precache.config import SamplingParams
-from precache.server.errors import APIError
+from precache.config import SamplingParams, StructuredOutput
+from precache.server.errors import APIError, quote
 from precache.server.fields import IGNORED, REFUSED
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,8 @@ MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 MAX_N = 128  # choices per request: each is a trajectory of its own
 SEED_RANGE = (-(2**63), 2**63 - 1)  # a 64-bit signed integer, as vLLM's seed field
 MAX_SALT_CHARS = 1024
+MAX_ID_CHARS = 256  # session_id and request_id: echoed in responses
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]*")  # ASCII digits, no sign, no leading zero, no space
 
 
 class StreamOptions(BaseModel):
@@ -47,7 +50,7 @@ class _GenerationRequest(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -69,6 +72,12 @@ class _GenerationRequest(BaseModel):
     cache_salt: str | None = None
     response_format: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    # vLLM's structured outputs (the older guided_* fields and the newer structured_outputs object)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def top_logprobs_asked(self) -> int | None:
         """How many top log-probabilities each token returns (None: no logprobs)."""
@@ -78,7 +87,7 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     """``/v1/completions``: ``prompt`` is text or token ids (one prompt per request)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # true is not token id 1
     echo: bool = False
     logprobs: int | None = None
     add_special_tokens: bool = True
@@ -115,6 +124,8 @@ class ChatRequest(_GenerationRequest):
     add_special_tokens: bool = False
     documents: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    parallel_tool_calls: bool | None = None
 
     def top_logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -159,6 +170,14 @@ def check_fields(req: _GenerationRequest) -> None:
     Raises:
         APIError: 400 with ``param`` = the field.
     """
+    for name in ("session_id", "request_id"):
+        value = getattr(req, name)
+        if value is not None and not 0 < len(value) <= MAX_ID_CHARS:
+            raise _refuse(
+                name,
+                f"{name} must be a non-empty string of at most {MAX_ID_CHARS} characters",
+                "invalid_value",
+            )
     if req.cache_salt is not None and not 0 < len(req.cache_salt) <= MAX_SALT_CHARS:
         raise _refuse(
             "cache_salt",
@@ -174,11 +193,8 @@ def check_fields(req: _GenerationRequest) -> None:
                 raise _refuse(name, why)
         else:
             raise _refuse(name, "unknown field (README lists the supported ones)", "unknown_parameter")
-    fmt = req.response_format
-    if fmt is not None and fmt.get("type") != "text":
-        raise _refuse("response_format", f"only {{'type': 'text'}} is supported, got {fmt.get('type')!r}")
-    if req.tool_choice not in (None, "none"):
-        raise _refuse("tool_choice", "tool calling is not supported")
+    if isinstance(req, CompletionRequest) and req.tool_choice not in (None, "none"):
+        raise _refuse("tool_choice", "tool calling needs /v1/chat/completions")
     if req.stream_options is not None:
         if not req.stream:
             raise _refuse("stream_options", "stream_options needs stream=true", "invalid_value")
@@ -250,10 +266,11 @@ def sampling_params(req: _GenerationRequest, default_max_tokens: int) -> Samplin
         raise _refuse("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "invalid_value")
     bias = {}
     for key, value in (req.logit_bias or {}).items():
-        try:
-            bias[int(key)] = float(value)
-        except ValueError:
-            raise _refuse("logit_bias", f"keys must be token ids, got {key!r}", "invalid_value") from None
+        if not _TOKEN_ID_KEY.fullmatch(key):  # one spelling per id: no "05", " 5" or full-width digits
+            raise _refuse(
+                "logit_bias", f"keys must be token ids in decimal, got {quote(key)}", "invalid_value"
+            )
+        bias[int(key)] = float(value)
     fields = {
         "max_new_tokens": max_tokens,
         "n": req.n,
@@ -261,7 +278,7 @@ def sampling_params(req: _GenerationRequest, default_max_tokens: int) -> Samplin
         "top_p": 1.0 if req.top_p is None else req.top_p,
         "top_k": req.top_k or 0,
         "min_p": req.min_p or 0.0,
-        "stop": (req.stop,) if isinstance(req.stop, str) else tuple(s for s in req.stop or () if s),
+        "stop": (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
         "seed": req.seed,
         "ignore_eos": req.ignore_eos,
         "min_tokens": req.min_tokens,
@@ -274,6 +291,7 @@ def sampling_params(req: _GenerationRequest, default_max_tokens: int) -> Samplin
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens,
         "spaces_between_special_tokens": req.spaces_between_special_tokens,
+        "structured_output": structured_output(req),
     }
     try:
         return SamplingParams(**fields)
@@ -281,6 +299,79 @@ def sampling_params(req: _GenerationRequest, default_max_tokens: int) -> Samplin
         field = str(exc).split(" ", 1)[0]
         param = {"max_new_tokens": name}.get(field, field)
         raise _refuse(param, str(exc), "invalid_value") from None
+
+
+#: the request fields that carry a structured-output constraint
+STRUCTURED_FIELDS = (
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
+
+
+def structured_output(req: _GenerationRequest) -> StructuredOutput | None:
+    """The request's one structured-output constraint: OpenAI's ``response_format`` (``json_object``,
+    ``json_schema``) or vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+    ``guided_grammar`` / ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``,
+    ``json_object``); None when it has none.
+
+    Raises:
+        APIError: 400 naming the field: two constraints, an unknown type, or a malformed value.
+    """
+    found: list[tuple[str, StructuredOutput]] = []
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            found.append(("response_format", StructuredOutput.json_object()))
+        elif kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise _refuse(
+                    "response_format", "json_schema needs a json_schema.schema object", "invalid_value"
+                )
+            found.append(("response_format", StructuredOutput.json_schema(schema)))
+        elif kind != "text":
+            raise _refuse(
+                "response_format", f"type must be text, json_object or json_schema, got {quote(kind)}"
+            )
+    guided = {
+        "guided_json": req.guided_json,
+        "guided_regex": req.guided_regex,
+        "guided_choice": req.guided_choice,
+        "guided_grammar": req.guided_grammar,
+    }
+    for key, value in (req.structured_outputs or {}).items():
+        if key not in ("json", "regex", "choice", "grammar", "json_object"):
+            raise _refuse("structured_outputs", f"unknown or unsupported key {quote(key)}")
+        guided[f"structured_outputs.{key}"] = value
+    for name, value in guided.items():
+        if value is None or value is False:
+            continue
+        kind = name.rsplit("_", 1)[-1] if name.startswith("guided") else name.split(".", 1)[1]
+        try:
+            if kind == "json" and not isinstance(value, dict | str):
+                raise ValueError("must be a JSON schema (an object or its JSON text)")
+            spec = {
+                "json": lambda v: StructuredOutput.json_schema(v),
+                "object": lambda v: StructuredOutput.json_object(),
+                "regex": lambda v: StructuredOutput.regex(str(v)),
+                "choice": lambda v: StructuredOutput.choice(list(v)),
+                "grammar": lambda v: StructuredOutput.grammar(str(v)),
+            }[kind.removeprefix("json_")](value)
+        except (ValueError, TypeError) as exc:
+            field = name.split(".", 1)[0]
+            raise _refuse(field, f"{name}: {exc}", "invalid_value") from None
+        found.append((name.split(".", 1)[0], spec))
+    if len(found) > 1:
+        names = ", ".join(sorted({n for n, _ in found}))
+        raise _refuse(
+            found[1][0], f"one structured-output constraint per request, got {names}", "invalid_value"
+        )
+    return found[0][1] if found else None
 
 
 def check_prompt(ids: list[int], max_context: int) -> None:

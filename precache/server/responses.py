@@ -14,6 +14,7 @@ import uuid
 
 from precache.engine.request import TokenLogprob, Turn
 from precache.server.jobs import finish_reason
+from precache.server.tools import ToolParser
 
 
 def sse(obj: dict | str) -> str:
@@ -21,16 +22,18 @@ def sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-def usage(turns: list[Turn]) -> dict:
-    """Token counts of a request: the prompt once (the choices share its cache), every choice's
-    tokens; ``prompt_tokens_details.cached_tokens`` = prompt tokens served from the cache."""
-    first = turns[0]
+def usage(turns: list[Turn], per_prompt: int | None = None) -> dict:
+    """Token counts of a request: each prompt once (its ``per_prompt`` choices, consecutive in
+    ``turns``, share its cache; default: one prompt), every choice's tokens;
+    ``prompt_tokens_details.cached_tokens`` = prompt tokens served from the cache."""
+    firsts = turns[:: per_prompt or len(turns)]
+    prompt = sum(t.prompt_tokens for t in firsts)
     completion = sum(t.new_tokens for t in turns)
     return {
-        "prompt_tokens": first.prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": first.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(t.cached_tokens for t in firsts)},
     }
 
 
@@ -52,12 +55,16 @@ class Renderer:
         tokens_as_ids: bool = False,
         echo: str = "",
         request_id: str | None = None,
+        choices_per_prompt: int | None = None,
+        tool_parser: ToolParser | None = None,
     ):
         self.kind, self.model, self.prompt_ids, self.codec = kind, model, prompt_ids, codec
         self.return_token_ids, self.tokens_as_ids, self.echo = return_token_ids, tokens_as_ids, echo
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         self.id, self.created = f"{prefix}-{request_id or uuid.uuid4().hex}", int(time.time())
         self._offsets: dict[int, int] = {}  # completion text offset per choice, for streamed logprobs
+        self.per_prompt = choices_per_prompt  # several prompts: choices i*n .. i*n+n-1 answer prompt i
+        self.tool_parser = tool_parser  # tools may be called: answers are parsed, streams held back
 
     def _head(self, chunk: bool) -> dict:
         if self.kind == "chat":
@@ -94,20 +101,35 @@ class Renderer:
     def _chat_entry(self, e: TokenLogprob) -> dict:
         def one(token_id: int, logprob: float) -> dict:
             token = self._token(token_id)
-            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+            return {"token": token, "logprob": logprob, "bytes": self.codec.token_bytes(token_id)}
 
         return {**one(e.token_id, e.logprob), "top_logprobs": [one(i, v) for i, v in e.top]}
 
     # -- whole responses -----------------------------------------------------------------------
     def _choice(self, index: int, text: str | None, turn: Turn | None, chunk: bool, logprobs) -> dict:
         choice: dict = {"index": index}
-        if self.kind == "chat" and chunk:
+        calls: list = []
+        if self.kind == "chat" and self.tool_parser is not None and turn is not None:
+            # the whole answer: its text outside the calls, and the calls (a stream sends them once)
+            content, calls = self.tool_parser.parse(turn.text)
+            if chunk:  # the stream's first chunk carried the echo
+                delta = {} if content is None else {"content": content}
+                if calls:
+                    delta["tool_calls"] = [c.openai(index=k) for k, c in enumerate(calls)]
+                choice["delta"] = delta
+            else:
+                content = self.echo + (content or "") if self.echo or content else None
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = [c.openai() for c in calls]
+        elif self.kind == "chat" and chunk:
             choice["delta"] = {} if text is None else {"content": text}
         elif self.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text or ""
-        choice.update(logprobs=logprobs, finish_reason=finish_reason(turn) if turn is not None else None)
+        reason = ("tool_calls" if calls else finish_reason(turn)) if turn is not None else None
+        choice.update(logprobs=logprobs, finish_reason=reason)
         if turn is not None:
             choice["stop_reason"] = turn.matched_stop  # vLLM's: the stop string or token id, or None
             if self.return_token_ids:
@@ -120,12 +142,8 @@ class Renderer:
             self._choice(i, self.echo + t.text, t, False, self.logprobs(t.logprobs, i, len(self.echo)))
             for i, t in enumerate(turns)
         ]
-        out = {
-            **self._head(False),
-            "choices": choices,
-            "usage": usage(turns),
-            "session_id": turns[0].session_id,
-        }
+        out = {**self._head(False), "choices": choices, "usage": usage(turns, self.per_prompt)}
+        out.update(self._sessions(turns))
         if self.return_token_ids:
             out["prompt_token_ids"] = self.prompt_ids
         return out
@@ -146,7 +164,11 @@ class Renderer:
                 out.append(self.chunk(index, self.echo, None))
         return out
 
-    def chunk(self, index: int, text: str, entries: list[TokenLogprob] | None) -> dict:
+    def chunk(self, index: int, text: str, entries: list[TokenLogprob] | None) -> dict | None:
+        """A chunk of choice ``index``'s text; None while tools may be called (the answer goes out
+        whole in :meth:`last_chunk`, parsed into content and tool calls)."""
+        if self.tool_parser is not None:
+            return None
         lp = self.logprobs(entries, index, self._offsets.get(index, 0)) if entries is not None else None
         return {**self._head(True), "choices": [self._choice(index, text, None, True, lp)]}
 
@@ -159,4 +181,12 @@ class Renderer:
 
     def usage_chunk(self, turns: list[Turn]) -> dict:
         """``stream_options.include_usage``: a last chunk with no choices and the usage."""
-        return {**self._head(True), "choices": [], "usage": usage(turns)}
+        return {**self._head(True), "choices": [], "usage": usage(turns, self.per_prompt)}
+
+    def _sessions(self, turns: list[Turn]) -> dict:
+        """Our extension: ``session_id`` of the trajectory the answer continues (its choice 0), or
+        with several prompts ``session_ids``, one per prompt."""
+        firsts = turns[:: self.per_prompt or len(turns)]
+        if len(firsts) == 1:
+            return {"session_id": firsts[0].session_id}
+        return {"session_ids": [t.session_id for t in firsts]}

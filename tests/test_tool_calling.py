@@ -1,0 +1,216 @@
+"""Tool calling as vLLM serves it: the request's tools and tool_choice checked, the parsers read
+calls back (and write past calls) in their formats, and on the embedded SmolLM2 a required or
+named call is guaranteed by the constraint, parses, and validates against the function's schema,
+streamed or not; tool_choice none keeps the tools out of the prompt."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+import precache
+from precache.resources import adapter_set
+from precache.server.errors import APIError
+from precache.server.tools import TOOL_PARSERS, get_parser, tool_constraint, tool_request
+from tests.test_server_support import live
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time in a timezone",
+        "parameters": {
+            "type": "object",
+            "properties": {"tz": {"type": "string", "maxLength": 20}},
+            "required": ["tz"],
+        },
+    },
+}
+
+
+# -- requests and parsers (no model) ------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("tools", "choice", "field"),
+    [
+        ([{"type": "function"}], "auto", "tools"),
+        ([{"type": "retrieval", "function": {"name": "x"}}], "auto", "tools"),
+        ([{"type": "function", "function": {"name": "has space"}}], "auto", "tools"),
+        ([WEATHER, WEATHER], "auto", "tools"),
+        ([WEATHER], "sometimes", "tool_choice"),
+        ([WEATHER], {"type": "function", "function": {"name": "get_time"}}, "tool_choice"),
+        (None, "required", "tool_choice"),
+    ],
+)
+def test_malformed_tools_and_choices_are_400s_naming_the_field(tools, choice, field):
+    with pytest.raises(APIError) as err:
+        tool_request(tools, choice, None)
+    assert err.value.status == 400 and err.value.param == field and err.value.code
+
+
+def test_tool_choice_none_and_no_tools_mean_no_tool_request():
+    assert tool_request([WEATHER], "none", None) is None
+    assert tool_request(None, None, None) is None
+    assert tool_request([WEATHER], None, None).choice == "auto"  # OpenAI's default with tools
+    named = tool_request([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, True)
+    assert (named.choice, named.function, named.parallel) == ("function", "get_time", False)
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+def test_each_parser_reads_back_the_calls_it_writes(name):
+    parser = get_parser(name)
+    calls = [
+        {
+            "id": "a",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        },
+        {"id": "b", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "CET"}'}},
+    ]
+    content, parsed = parser.parse(parser.write(calls))
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in parsed] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {"tz": "CET"}),
+    ]
+
+
+def test_hermes_keeps_the_text_around_calls_and_plain_text_has_no_call():
+    parser = get_parser("hermes")
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    content, calls = parser.parse(text)
+    assert content == "Let me check." and calls[0].name == "get_weather"
+    assert parser.parse("It is sunny.") == ("It is sunny.", [])
+    assert parser.parse("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+
+
+# -- the server on SmolLM2 ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def served():
+    plan = adapter_set("qv", ["plan"])["plan"]
+    engine = precache.Engine(precache.load_model(), adapters={"plan": plan}, method="prelrshared")
+    with live(engine, model_name="smol") as (server, client):
+        yield server, client
+
+
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _check_call(call, tool):
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == tool["function"]["name"]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+@pytest.mark.slow
+def test_required_and_named_calls_parse_and_validate(served):
+    _, client = served
+    got = client.chat.completions.create(
+        model="plan",
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        max_tokens=80,
+        temperature=0,
+    )
+    choice = got.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        _check_call(call, WEATHER if call.function.name == "get_weather" else TIME)
+    named = client.chat.completions.create(
+        model="plan",
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=80,
+        temperature=0,
+    )
+    assert len(named.choices[0].message.tool_calls) == 1
+    _check_call(named.choices[0].message.tool_calls[0], TIME)
+
+
+@pytest.mark.slow
+def test_a_streamed_required_call_arrives_as_tool_call_deltas(served):
+    server, _ = served
+    body = {
+        "model": "plan",
+        "messages": ASK,
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "max_tokens": 80,
+        "temperature": 0,
+        "stream": True,
+    }
+    deltas, reasons = [], []
+    with httpx.stream("POST", f"{server.url}/chat/completions", json=body, timeout=120) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        for c in json.loads(line[6:])["choices"]:
+            deltas.append(c["delta"])
+            reasons.append(c["finish_reason"])
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert reasons[-1] == "tool_calls" and [c["index"] for c in calls] == list(range(len(calls)))
+    assert calls[0]["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), WEATHER["function"]["parameters"])
+
+
+@pytest.mark.slow
+def test_tool_choice_none_keeps_the_tools_out_of_the_prompt_and_auto_answers(served):
+    _, client = served
+    plain = client.chat.completions.create(model="plan", messages=ASK, max_tokens=4, temperature=0)
+    none = client.chat.completions.create(
+        model="plan", messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=4, temperature=0
+    )
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens  # vLLM's default: tools not rendered
+    assert none.choices[0].message.content == plain.choices[0].message.content
+    auto = client.chat.completions.create(
+        model="plan", messages=ASK, tools=[WEATHER], max_tokens=60, temperature=0
+    )
+    assert auto.usage.prompt_tokens > plain.usage.prompt_tokens  # the tool prompt is in
+    message = auto.choices[0].message
+    assert message.content or message.tool_calls
+
+
+@pytest.mark.slow
+def test_a_tool_round_trip_renders_the_call_and_its_result(served):
+    _, client = served
+    first = client.chat.completions.create(
+        model="plan", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=80, temperature=0
+    )
+    call = first.choices[0].message.tool_calls[0]
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "clear"}'},
+    ]
+    second = client.chat.completions.create(
+        model="plan", messages=messages, tools=[WEATHER], max_tokens=20, temperature=0
+    )
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result are in
+
+
+def test_every_parser_grammar_compiles_and_forces_a_call():
+    # the grammar is llguidance's Lark: a required call in each format compiles for a real tokenizer
+    from precache.engine.structured import GrammarMatcher
+
+    model = precache.load_model(require_tokenizer=True)
+    for name in sorted(TOOL_PARSERS):
+        spec = tool_constraint(tool_request([WEATHER, TIME], "required", True), get_parser(name))
+        GrammarMatcher(model.tokenizer, model.config.vocab_size, spec)
