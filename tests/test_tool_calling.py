@@ -63,6 +63,12 @@ def test_malformed_tools_and_choices_are_400s_naming_the_field(tools, choice, fi
     assert err.value.status == 400 and err.value.param == field and err.value.code
 
 
+def test_the_command_line_names_every_parser():
+    from precache.server.config import TOOL_PARSER_NAMES
+
+    assert tuple(sorted(TOOL_PARSER_NAMES)) == tuple(sorted(TOOL_PARSERS))
+
+
 def test_tool_choice_none_and_no_tools_mean_no_tool_request():
     assert tool_request([WEATHER], "none", None) is None
     assert tool_request(None, None, None) is None

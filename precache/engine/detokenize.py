@@ -120,7 +120,7 @@ _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 @functools.cache
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's printable stand-ins for the 256 bytes (``bytes_to_unicode``), inverted."""
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # heavy: only when asked
 
     return {char: byte for byte, char in bytes_to_unicode().items()}
 

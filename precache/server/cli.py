@@ -20,9 +20,8 @@ from precache.cli_args import positive_int
 from precache.errors import AdapterError, PrecacheError
 from precache.methods import METHOD_REGISTRY
 from precache.resources import adapter_set
-from precache.server.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
+from precache.server.config import DEFAULT_MAX_REQUEST_BYTES, TOOL_PARSER_NAMES, ServerConfig
 from precache.server.tenants import APIKeyError, read_api_keys
-from precache.server.tools import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +251,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--tool-call-parser",
-        choices=sorted(TOOL_PARSERS),
+        choices=TOOL_PARSER_NAMES,
         default="hermes",
         help="format of tool calls in the model's answers (vLLM's flag; default hermes: "
         "<tool_call>{json}</tool_call>)",

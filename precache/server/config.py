@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024**2  # 4 MiB: far more than any prompt within the context
+#: the tool-call formats (:data:`precache.server.tools.TOOL_PARSERS`; named here so the command
+#: line needs no web framework)
+TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
 
 
 @dataclass(frozen=True)
@@ -39,5 +42,7 @@ class ServerConfig:
     def __post_init__(self):
         if self.max_running < 1 or self.max_step_tokens < 1 or self.min_fork_tokens < 0:
             raise ValueError(f"invalid server configuration: {self}")
+        if self.tool_call_parser not in TOOL_PARSER_NAMES:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSER_NAMES)}")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
