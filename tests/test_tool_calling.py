@@ -220,3 +220,20 @@ def test_every_parser_grammar_compiles_and_forces_a_call():
     for name in sorted(TOOL_PARSERS):
         spec = tool_constraint(tool_request([WEATHER, TIME], "required", True), get_parser(name))
         GrammarMatcher(model.tokenizer, model.config.vocab_size, spec)
+
+
+@pytest.mark.slow
+def test_parallel_tool_calls_false_answers_one_call(served):
+    _, client = served
+    got = client.chat.completions.create(
+        model="plan",
+        messages=[{"role": "user", "content": "Weather in Paris and time in CET?"}],
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=120,
+        temperature=0,
+    )
+    calls = got.choices[0].message.tool_calls
+    assert len(calls) == 1  # the constraint allows one call, and the answer keeps the first only
+    _check_call(calls[0], WEATHER if calls[0].function.name == "get_weather" else TIME)

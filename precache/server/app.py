@@ -217,6 +217,7 @@ class _Api:
             request_id=body.request_id,
             choices_per_prompt=params.n,
             tool_parser=self.tool_parser if tools is not None else None,
+            parallel_tool_calls=tools.parallel if tools is not None else True,
         )
         return group, renderer
 

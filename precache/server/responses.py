@@ -57,6 +57,7 @@ class Renderer:
         request_id: str | None = None,
         choices_per_prompt: int | None = None,
         tool_parser: ToolParser | None = None,
+        parallel_tool_calls: bool = True,
     ):
         self.kind, self.model, self.prompt_ids, self.codec = kind, model, prompt_ids, codec
         self.return_token_ids, self.tokens_as_ids, self.echo = return_token_ids, tokens_as_ids, echo
@@ -65,6 +66,7 @@ class Renderer:
         self._offsets: dict[int, int] = {}  # completion text offset per choice, for streamed logprobs
         self.per_prompt = choices_per_prompt  # several prompts: choices i*n .. i*n+n-1 answer prompt i
         self.tool_parser = tool_parser  # tools may be called: answers are parsed, streams held back
+        self.parallel_tool_calls = parallel_tool_calls  # False: the first call only (vLLM's rule)
 
     def _head(self, chunk: bool) -> dict:
         if self.kind == "chat":
@@ -112,6 +114,8 @@ class Renderer:
         if self.kind == "chat" and self.tool_parser is not None and turn is not None:
             # the whole answer: its text outside the calls, and the calls (a stream sends them once)
             content, calls = self.tool_parser.parse(turn.text)
+            if not self.parallel_tool_calls:
+                calls = calls[:1]
             if chunk:  # the stream's first chunk carried the echo
                 delta = {} if content is None else {"content": content}
                 if calls:
