@@ -128,11 +128,12 @@ def _byte_level_alphabet() -> dict[str, int]:
 _DECODER_TYPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _decoder_types(tokenizer) -> set[str]:
-    """The types in a fast tokenizer's decoder pipeline (``ByteLevel``, ``ByteFallback``, ...),
-    read once per tokenizer."""
+def _tokenizer_facts(tokenizer) -> tuple[set[str], frozenset[int]]:
+    """The types in a fast tokenizer's decoder pipeline (``ByteLevel``, ``ByteFallback``, ...) and
+    its special token ids, read once per tokenizer (token_bytes runs per logprob entry)."""
     if tokenizer not in _DECODER_TYPES:
-        _DECODER_TYPES[tokenizer] = _read_decoder_types(tokenizer)
+        special = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        _DECODER_TYPES[tokenizer] = (_read_decoder_types(tokenizer), special)
     return _DECODER_TYPES[tokenizer]
 
 
@@ -160,10 +161,10 @@ def token_bytes(tokenizer, token_id: int) -> bytes:
     SentencePiece byte fallback (Llama 2, Mistral): ``<0xAB>`` is the byte 0xAB and ``▁`` a space.
     A special token (and any other tokenizer): the UTF-8 bytes of its decoded text.
     """
-    if token_id in set(getattr(tokenizer, "all_special_ids", ())):
+    kinds, special = _tokenizer_facts(tokenizer)
+    if token_id in special:
         return tokenizer.decode([token_id]).encode("utf-8")
     piece = tokenizer.convert_ids_to_tokens(token_id)
-    kinds = _decoder_types(tokenizer)
     if "ByteLevel" in kinds:
         alphabet = _byte_level_alphabet()
         if all(ch in alphabet for ch in piece):
