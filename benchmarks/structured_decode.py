@@ -71,7 +71,11 @@ def main() -> None:
                     {
                         "batch": batch,
                         "constraint": name,
-                        "decode_tok_s": [round(min(rates), 2), round(statistics.median(rates), 2), round(max(rates), 2)],
+                        "decode_tok_s": [
+                            round(min(rates), 2),
+                            round(statistics.median(rates), 2),
+                            round(max(rates), 2),
+                        ],
                         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                     }
                 ),

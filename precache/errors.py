@@ -19,6 +19,10 @@ class AdapterError(PrecacheError):
     """A LoRA adapter folder is missing, malformed, unsupported or does not fit the base model."""
 
 
+class AdapterBusyError(PrecacheError):
+    """An adapter cannot be unloaded while a request of it is waiting or running."""
+
+
 class UnknownAdapterError(PrecacheError, KeyError):
     """An adapter (agent) name is not loaded."""
 

@@ -33,7 +33,9 @@ class KVPool:
     head_dim]`` and ``lr`` ``[n_layers, num_blocks * block_size, R]``.
 
     ``lr_ranks[agent] = (r_k, r_v)`` lays out each agent's LR columns (empty for methods without LR
-    caches). ``kv_cache_bytes`` is the budget in bytes; the pool holds
+    caches); ``spare_lr_slots`` more slots of ``spare_lr_rank`` key and value columns each are kept
+    free for adapters added later (:meth:`assign_lr`), like vLLM's ``max_loras`` / ``max_lora_rank``:
+    the columns are part of every block, so the room is reserved up front. ``kv_cache_bytes`` is the budget in bytes; the pool holds
     ``kv_cache_bytes // block_bytes`` blocks, reserved now, so the cache can never outgrow the budget
     (on CPU the pages become resident as blocks are first written; on CUDA the memory is taken now).
     A view only ever reads positions some forward wrote.
@@ -52,6 +54,8 @@ class KVPool:
         block_size: int = DEFAULT_BLOCK_SIZE,
         dtype: torch.dtype = torch.float32,
         device=None,
+        spare_lr_slots: int = 0,
+        spare_lr_rank: int = 0,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
@@ -61,6 +65,11 @@ class KVPool:
         for agent, (rk, rv) in lr_ranks.items():
             self.lr_cols[agent] = (slice(col, col + rk), slice(col + rk, col + rk + rv))
             col += rk + rv
+        # free column ranges (first column, width), smallest first: spare slots and released agents'
+        self.free_lr: list[tuple[int, int]] = []
+        for _ in range(spare_lr_slots if spare_lr_rank > 0 else 0):
+            self.free_lr.append((col, 2 * spare_lr_rank))
+            col += 2 * spare_lr_rank
         self.lr_width = col
         self.kv_width = num_kv_heads * head_dim
         itemsize = torch.finfo(dtype).bits // 8
@@ -76,6 +85,7 @@ class KVPool:
         self.v = torch.empty_like(self.k)
         self.lr = torch.empty(num_layers, n, self.lr_width, dtype=dtype, device=device)
         self.allocator = BlockAllocator(num_blocks)
+        self._lr_widths = {a: rk + rv for a, (rk, rv) in lr_ranks.items()}
         self._stores: weakref.WeakSet[PagedStore] = weakref.WeakSet()
 
     @property
@@ -97,6 +107,31 @@ class KVPool:
                 f"{what} needs {n_blocks} KV-cache blocks ({n_blocks * self.block_bytes} bytes) but the pool "
                 f"holds {self.num_blocks} ({self.nbytes} bytes): raise kv_cache_bytes"
             )
+
+    def assign_lr(self, agent: str, rank_k: int, rank_v: int) -> None:
+        """Give a new agent LR columns: the narrowest free range that holds ``rank_k + rank_v``.
+        What they hold in every block is garbage until a forward writes the agent's LR rows.
+
+        Raises:
+            CacheCapacityError: no free range is wide enough (reserve spare slots when the pool is made).
+        """
+        need = rank_k + rank_v
+        fits = [r for r in self.free_lr if r[1] >= need]
+        if not fits:
+            raise CacheCapacityError(
+                f"no free LR-cache columns for adapter '{agent}' (key rank {rank_k} + value rank {rank_v}): "
+                f"the pool reserved {len(self.free_lr)} free slot(s) "
+                f"(widths {sorted(w for _, w in self.free_lr)}); raise max_adapters / max_lora_rank"
+            )
+        start, width = min(fits, key=lambda r: r[1])
+        self.free_lr.remove((start, width))
+        self.lr_cols[agent] = (slice(start, start + rank_k), slice(start + rank_k, start + need))
+        self._lr_widths[agent] = width
+
+    def release_lr(self, agent: str) -> None:
+        """Give an agent's LR columns back (they keep their garbage until a new owner writes them)."""
+        cols_k, _ = self.lr_cols.pop(agent)
+        self.free_lr.append((cols_k.start, self._lr_widths.pop(agent)))
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy every layer's keys, values and LR rows of block ``src`` into ``dst``."""

@@ -17,7 +17,8 @@ from precache.server.config import DEFAULT_MAX_REQUEST_BYTES
 
 
 def refuse_single_process_flags(args: argparse.Namespace) -> None:
-    """The security flags the Ray Serve ingress does not apply yet: refused, never dropped.
+    """The flags the Ray Serve ingress does not apply yet (security, adapters at run time): refused,
+    never dropped.
 
     Raises:
         PrecacheError: one of them is given; the message names them.
@@ -28,6 +29,9 @@ def refuse_single_process_flags(args: argparse.Namespace) -> None:
             ("--api-key", bool(getattr(args, "api_key", None))),
             ("--api-keys", bool(getattr(args, "api_keys", None))),
             ("--trust-client-special-tokens", getattr(args, "trust_client_special_tokens", False)),
+            ("--enable-runtime-lora", getattr(args, "enable_runtime_lora", False)),
+            ("--max-loras", getattr(args, "max_loras", None) is not None),
+            ("--max-lora-rank", getattr(args, "max_lora_rank", None) is not None),
             (
                 "--max-request-bytes",
                 getattr(args, "max_request_bytes", None) not in (None, DEFAULT_MAX_REQUEST_BYTES),

@@ -20,12 +20,15 @@ from precache.engine.outputs import Turn
 from precache.engine.request import Request
 from precache.engine.scheduler import Batch, Scheduler
 from precache.engine.session import Session
-from precache.errors import AdapterError
+from precache.errors import AdapterBusyError, AdapterError, UnknownAdapterError
 from precache.lora.adapter import LoRAAdapter, load_adapter
 from precache.methods import METHOD_REGISTRY, make_method
 from precache.models import load_model
 
 logger = logging.getLogger(__name__)
+
+#: ``max_lora_rank`` when not given: vLLM's default, or the largest rank of the adapters given
+DEFAULT_MAX_LORA_RANK = 16
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -45,7 +48,9 @@ class Engine:
     (default: room for ``n_agents + 2`` caches at the context length), in blocks of
     ``block_size`` tokens, shared by forks and (``prefix_caching``) by trajectories with a common
     token prefix. ``attention_backend`` names the attention kernel (``"torch"`` or ``"triton"``;
-    default: ``"triton"`` on CUDA when triton is installed, else ``"torch"``).
+    default: ``"triton"`` on CUDA when triton is installed, else ``"torch"``). ``max_adapters``
+    bounds the adapters loaded at once, counting those :meth:`add_adapter` adds later (None: the
+    ones given); split methods reserve LR-cache columns for the spare ones, ``max_lora_rank`` each.
 
     Raises:
         UnknownMethodError: ``method`` does not exist.
@@ -53,6 +58,7 @@ class Engine:
         ImportError: ``attention_backend="triton"`` without triton installed.
         CacheCapacityError: ``kv_cache_bytes`` holds no block.
         AdapterError: an adapter folder is missing, malformed, or does not fit the model.
+        ValueError: ``max_adapters`` below the adapters given, or ``max_lora_rank`` below their ranks.
     """
 
     def __init__(
@@ -64,6 +70,8 @@ class Engine:
         block_size: int = DEFAULT_BLOCK_SIZE,
         prefix_caching: bool = True,
         attention_backend: str | None = None,
+        max_adapters: int | None = None,
+        max_lora_rank: int | None = None,
     ):
         METHOD_REGISTRY.canonical(method)  # raises UnknownMethodError before any loading
         self.model = model if model is not None else load_model()
@@ -76,6 +84,7 @@ class Engine:
                 src if isinstance(src, LoRAAdapter) else load_adapter(Path(src), self.model.config, name)
             )
             self.adapters[name] = adapter.to(self.model.dtype, self.model.device)
+        spare, self.max_lora_rank = self._spare_slots(max_adapters, max_lora_rank)
         self.method = make_method(
             method,
             self.model,
@@ -83,11 +92,75 @@ class Engine:
             kv_cache_bytes=kv_cache_bytes,
             block_size=block_size,
             prefix_caching=prefix_caching,
+            spare_lr_slots=spare,
+            spare_lr_rank=self.max_lora_rank,
         )
         self.pool = self.method.pool
         self.attention = get_backend(attention_backend or default_backend(self.model.device))
         self.eos_token_ids = self._eos_ids()
         self.scheduler = Scheduler(self._forward, pool=self.pool, runner=on_compute)
+
+    def _spare_slots(self, max_adapters: int | None, max_lora_rank: int | None) -> tuple[int, int]:
+        """LR-cache slots to reserve for adapters added later, and their rank."""
+        ranks = [a.rank for a in self.adapters.values()]
+        for what, value in (("max_adapters", max_adapters), ("max_lora_rank", max_lora_rank)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{what} must be an integer >= 1 or None, got {value!r}")
+        if max_adapters is not None and max_adapters < len(self.adapters):
+            raise ValueError(f"max_adapters={max_adapters} is below the {len(self.adapters)} adapters given")
+        rank = max_lora_rank if max_lora_rank is not None else max([DEFAULT_MAX_LORA_RANK, *ranks])
+        if ranks and max(ranks) > rank:
+            raise ValueError(f"max_lora_rank={rank} is below the largest given adapter rank {max(ranks)}")
+        return (0 if max_adapters is None else max_adapters - len(self.adapters)), rank
+
+    # -- adapters at run time ---------------------------------------------------------------------
+    def add_adapter(self, name: str, src: str | os.PathLike | LoRAAdapter) -> LoRAAdapter:
+        """Load a PEFT adapter folder (or take a loaded :class:`LoRAAdapter`) as agent ``name``, between
+        two steps; requests may use it from the next step on. Every existing trajectory gets its
+        caches for it at its next turn, as the sharing method defines (DESIGN.md, "Adapters loaded at
+        run time"). Split methods (BaseShared, PreLRShared, ReBaseShared) need a free LR-cache slot:
+        create the engine with ``max_adapters`` above the adapters given, and ``max_lora_rank`` (default
+        the largest of 16 and the given ranks) at least the new adapter's rank.
+
+        Raises:
+            AdapterError: a bad name (empty, taken), a missing or malformed folder, an adapter that
+                does not fit the model or method, or a rank above ``max_lora_rank``.
+            CacheCapacityError: no free LR-cache slot.
+        """
+        if not isinstance(name, str) or not name.strip():
+            raise AdapterError(f"adapter names must be non-empty strings, got {name!r}")
+        if name in self.adapters:
+            raise AdapterError(f"adapter '{name}' is loaded already")
+        adapter = src if isinstance(src, LoRAAdapter) else load_adapter(Path(src), self.model.config, name)
+        if self.method.splits_kv and adapter.rank > self.max_lora_rank:
+            raise AdapterError(
+                f"adapter '{name}' has rank {adapter.rank}, above max_lora_rank={self.max_lora_rank}"
+            )
+        adapter = adapter.to(self.model.dtype, self.model.device)
+        self.scheduler.exclusive(lambda: self.method.add_adapter(name, adapter))
+        logger.info("adapter '%s' added (rank %d)", name, adapter.rank)
+        return adapter
+
+    def remove_adapter(self, name: str) -> None:
+        """Unload agent ``name`` between two steps; its caches leave each trajectory at its next turn.
+
+        Raises:
+            UnknownAdapterError: ``name`` is not loaded.
+            AdapterBusyError: a request of ``name`` is waiting or running (unload it once they end).
+        """
+
+        def remove() -> None:
+            if name not in self.adapters:
+                raise UnknownAdapterError(f"adapter '{name}' is not loaded")
+            busy = self.scheduler.requests_of(name)
+            if busy:
+                raise AdapterBusyError(
+                    f"adapter '{name}' is used by {busy} waiting or running request(s); unload it once they end"
+                )
+            self.method.remove_adapter(name)
+
+        self.scheduler.exclusive(remove)
+        logger.info("adapter '%s' removed", name)
 
     def _eos_ids(self) -> frozenset[int]:
         """Token ids that end a turn: ``generation_config.json``'s ``eos_token_id`` (an int or a

@@ -28,7 +28,7 @@ from precache.engine.detokenize import IncrementalDetokenizer, StopStrings
 from precache.engine.outputs import StreamChunk, TokenLogprob, Turn
 from precache.engine.sampler import sample, shape_logits, token_logprobs
 from precache.engine.structured import GrammarMatcher
-from precache.errors import RequestCancelledError
+from precache.errors import RequestCancelledError, UnknownAdapterError
 
 if TYPE_CHECKING:
     from precache.cache.swap import SwappedBlocks
@@ -149,6 +149,9 @@ class Request:
             CacheCapacityError: the turn (all ``n`` choices) could never fit the block pool.
         """
         s, params, forced = self.session, self.params, self.forced
+        s.method.sync_state(s.state)  # adapters loaded or unloaded since the last turn
+        if self.agent is not None and self.agent not in s.method.adapters:
+            raise UnknownAdapterError(f"adapter '{self.agent}' was unloaded before the request started")
         s.check_room(len(forced) if forced else 0)
         budget = len(forced) if forced else params.max_new_tokens
         method = self.method = s.method
@@ -165,6 +168,8 @@ class Request:
         # entry belongs to whoever processed the token first: DESIGN.md, "Determinism")
         self.reread = method.prefill_start(s.state, self.agent) >= n
         method.begin_turn(s.state, self.agent)
+        # rows that build this agent's missing caches (an adapter added at run time), first forward
+        self.catch_up = method.catch_up(s.state, self.agent, s.token_ids, s.authors)
         self.pos = self.cached_tokens = n - 1 if self.reread else method.prefill_start(s.state, self.agent)
         self.phase, self.state = Phase.PREFILL, RequestState.RUNNING
         s.active = self
@@ -201,6 +206,7 @@ class Request:
         self.first_logits: torch.Tensor | None = None
         self.finish_reason: str | None = None
         self.post: list[RowPlan] = []
+        self.catch_up: list[RowPlan] = []
         self.t_first = self.t_end = self.t_done = 0.0
 
     def fork(self, session: Session, index: int) -> Request:
@@ -243,6 +249,7 @@ class Request:
         plans = method.plans(s.state, self.agent, s.token_ids[self.pos : self._end], self.pos)
         if self.reread:  # the agent's own row only, reading the cached entry of the token itself
             plans = [RowPlan(p.token_ids, p.pos0, p.adapter, [], p.views) for p in plans[:1]]
+        plans += self.catch_up  # they write at every layer before the turn's rows read
         # counted once the forward ran; a recompute row counts its token-layers (RowPlan.prefill_cost)
         self._chunk_tokens = sum(p.prefill_cost for p in plans)
         if self._end < len(s.token_ids):  # an inner chunk: nothing to sample yet
@@ -261,6 +268,7 @@ class Request:
             return False
         s.authors.extend([self.agent] * (self._end - len(s.authors)))
         if self.phase is Phase.PREFILL:
+            self.catch_up = []
             self.prefill_tokens += self._chunk_tokens
             self.pos = self._end
             if self.pos < len(s.token_ids):

@@ -124,6 +124,11 @@ class Scheduler:
         """Queue ``request`` (any thread); it joins the batch at the next step."""
         self._inbox.append(request)
 
+    def requests_of(self, agent: str) -> int:
+        """How many requests of ``agent`` are queued, waiting or running (call between steps)."""
+        queued = [*self._inbox, *self.waiting, *self.running]
+        return sum(1 for r in queued if r.agent == agent and not r.all_finished)
+
     def track(self, session) -> None:
         """Know ``session`` (any thread): an idle one may be swapped out when the pool needs blocks."""
         with self._sessions_lock:

@@ -19,7 +19,7 @@ from precache.cache.pool import DEFAULT_BLOCK_SIZE, KVPool, LRView, PagedStore
 from precache.cache.prefix import PrefixChain, attach, publish
 from precache.cache.rowplan import LRWrite, RowPlan, View
 from precache.cache.views import materialise_view
-from precache.errors import AdapterError, CacheIntegrityError
+from precache.errors import AdapterError, CacheIntegrityError, UnknownAdapterError
 from precache.lora.adapter import LoRAAdapter
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,9 @@ class CacheState:
     turn_start: int | None = None
     prefix: dict[str, PrefixChain] = field(default_factory=dict)
     salt: str | None = None
+    uids: dict[str, int] = field(default_factory=dict)
+    late: set[str] = field(default_factory=set)
+    version: int = 0
 
     def stores(self) -> list[PagedStore | LRView]:
         out = [self.base, self.turn, *self.lr.values(), *self.full.values()]
@@ -109,16 +112,20 @@ class SharingMethod(ABC):
         kv_cache_bytes: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         prefix_caching: bool = True,
+        spare_lr_slots: int = 0,
+        spare_lr_rank: int = 0,
     ):
         self.model, self.adapters, self.prefix_caching = model, adapters, prefix_caching
+        self.adapter_uid = {a: i for i, a in enumerate(adapters)}  # one id per load of an adapter
+        self._next_uid, self.version = len(adapters), 0
         c = model.config
-        if self.splits_kv and c.qk_norm:
-            for name, adapter in adapters.items():
-                if "k_proj" in adapter.targets:
-                    raise AdapterError(
-                        f"adapter '{name}' has a k_proj LoRA; under {self.name} the key is split into base + LR, "
-                        f"which the per-head k-norm of {c.model_type} does not allow (use v/q/o/MLP targets)"
-                    )
+        for name, adapter in adapters.items():
+            self._check_adapter(name, adapter)
+        for what, value in (("spare_lr_slots", spare_lr_slots), ("spare_lr_rank", spare_lr_rank)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{what} must be an integer >= 0, got {value!r}")
+        if not self.splits_kv:
+            spare_lr_slots = spare_lr_rank = 0  # no LR columns to reserve
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1 (tokens per block), got {block_size!r}")
         if kv_cache_bytes is not None and (
@@ -133,7 +140,8 @@ class SharingMethod(ABC):
             }
         if kv_cache_bytes is None:  # a full-context trajectory fits under every method
             itemsize = torch.finfo(model.dtype).bits // 8
-            token_bytes = c.num_layers * (2 * c.num_kv_heads * c.head_dim + sum(map(sum, lr_ranks.values())))
+            lr_width = sum(map(sum, lr_ranks.values())) + 2 * spare_lr_slots * spare_lr_rank
+            token_bytes = c.num_layers * (2 * c.num_kv_heads * c.head_dim + lr_width)
             blocks = (len(adapters) + 2) * -(-model.max_context // block_size)
             kv_cache_bytes = device_capped(blocks * block_size * token_bytes * itemsize, model.device)
         self.pool = KVPool(
@@ -145,7 +153,98 @@ class SharingMethod(ABC):
             block_size,
             model.dtype,
             model.device,
+            spare_lr_slots=spare_lr_slots,
+            spare_lr_rank=spare_lr_rank,
         )
+
+    def _check_adapter(self, name: str, adapter: LoRAAdapter) -> None:
+        c = self.model.config
+        if self.splits_kv and c.qk_norm and "k_proj" in adapter.targets:
+            raise AdapterError(
+                f"adapter '{name}' has a k_proj LoRA; under {self.name} the key is split into base + LR, "
+                f"which the per-head k-norm of {c.model_type} does not allow (use v/q/o/MLP targets)"
+            )
+
+    @staticmethod
+    def lr_ranks(adapter: LoRAAdapter) -> tuple[int, int]:
+        """``(r_k, r_v)``: the LR cache columns an adapter needs (0 where it leaves k or v alone)."""
+        return (
+            adapter.rank if "k_proj" in adapter.targets else 0,
+            adapter.rank if "v_proj" in adapter.targets else 0,
+        )
+
+    # -- adapters at run time (DESIGN.md, "Adapters loaded at run time") --------------------------
+    def add_adapter(self, name: str, adapter: LoRAAdapter) -> None:
+        """Register ``adapter`` as agent ``name`` (between steps). Existing trajectories get its
+        caches at their next turn (:meth:`sync_state`), built as the method defines
+        (:meth:`catch_up`).
+
+        Raises:
+            AdapterError: ``name`` is loaded already, or the adapter does not fit the method.
+            CacheCapacityError: a split method has no free LR columns for its ranks.
+        """
+        if name in self.adapters:
+            raise AdapterError(f"adapter '{name}' is loaded already (unload it first)")
+        self._check_adapter(name, adapter)
+        if self.splits_kv:
+            self.pool.assign_lr(name, *self.lr_ranks(adapter))
+        self.adapters[name] = adapter
+        self.adapter_uid[name], self._next_uid = self._next_uid, self._next_uid + 1
+        self.version += 1  # blocks published before hold no LR rows for it
+        self.adapters_changed()
+
+    def remove_adapter(self, name: str) -> None:
+        """Forget agent ``name`` (between steps, with no request of it waiting or running): its
+        caches are dropped from each trajectory at its next turn, its LR columns freed.
+
+        Raises:
+            UnknownAdapterError: ``name`` is not loaded.
+        """
+        if name not in self.adapters:
+            raise UnknownAdapterError(f"adapter '{name}' is not loaded")
+        del self.adapters[name], self.adapter_uid[name]
+        if self.splits_kv:
+            self.pool.release_lr(name)
+        self.adapters_changed()
+
+    def adapters_changed(self) -> None:
+        """Hook after :meth:`add_adapter` / :meth:`remove_adapter` (default: nothing)."""
+        return None
+
+    def sync_state(self, state: CacheState) -> None:
+        """Bring ``state``'s per-agent caches to the loaded adapters (before a turn opens): drop the
+        caches of agents unloaded (or loaded again since), add empty ones for agents added
+        (:meth:`add_agent_cache`)."""
+        for agent, uid in list(state.uids.items()):
+            if self.adapter_uid.get(agent) != uid:
+                self.drop_agent_cache(state, agent)
+                del state.uids[agent]
+                state.late.discard(agent)
+        for agent, uid in self.adapter_uid.items():
+            if agent not in state.uids:
+                self.add_agent_cache(state, agent)
+                state.uids[agent] = uid
+        state.version = self.version
+
+    def add_agent_cache(self, state: CacheState, agent: str) -> None:
+        """Give ``state`` an empty cache for a newly added agent (default: none, FullShared's)."""
+        return None
+
+    def drop_agent_cache(self, state: CacheState, agent: str) -> None:
+        """Drop an unloaded agent's caches from ``state``."""
+        state.lr.pop(agent, None)
+        store = state.full.pop(agent, None)
+        if store is not None:
+            store.release()
+
+    def catch_up(
+        self, state: CacheState, agent: str | None, token_ids: list[int], authors: list[str | None]
+    ) -> list[RowPlan]:
+        """Rows that build ``agent``'s missing caches over the trajectory ``token_ids`` (whose token t
+        ``authors[t]`` processed first) before its turn's own rows
+        read them (they run in the turn's first forward and count in its ``prefill_tokens``);
+        default: none (the method has no per-agent cache to build, or builds it in the turn)."""
+        return []
 
     # -- state -------------------------------------------------------------------------------
     def new_kv_store(self, offset: int = 0) -> PagedStore:
@@ -155,14 +254,26 @@ class SharingMethod(ABC):
         """Every agent's LR cache, in the LR columns of ``base``'s blocks."""
         return {a: LRView(base, a) for a in self.adapters}
 
+    def new_state(self) -> CacheState:
+        """An empty trajectory's caches for the loaded adapters."""
+        state = self.empty_state()
+        state.uids, state.version = dict(self.adapter_uid), self.version
+        return state
+
     @abstractmethod
-    def new_state(self) -> CacheState: ...
+    def empty_state(self) -> CacheState: ...
 
     def adapter(self, agent: str | None) -> LoRAAdapter | None:
         return None if agent is None else self.adapters[agent]
 
     def lr_writes(self, state: CacheState, agents) -> list[LRWrite]:
-        return [LRWrite(state.lr[a], self.adapters[a]) for a in agents]
+        """LR writes for ``agents`` that are loaded and whose LR cache covers the trajectory so far
+        (an agent added at run time is left out until :meth:`catch_up` fills its gap)."""
+        return [
+            LRWrite(state.lr[a], self.adapters[a])
+            for a in agents
+            if a in self.adapters and a in state.lr and a not in state.late
+        ]
 
     # -- the turn ----------------------------------------------------------------------------
     @abstractmethod
@@ -247,7 +358,7 @@ class SharingMethod(ABC):
             for k, c in state.prefix.items()
             if k in self.prefix_stores(state)
         }
-        return CacheState(
+        return type(state)(
             base=base,
             lr=lr,
             full=full,
@@ -255,7 +366,15 @@ class SharingMethod(ABC):
             turn_start=state.turn_start,
             prefix=prefix,
             salt=state.salt,
+            uids=dict(state.uids),
+            late=set(state.late),
+            version=state.version,
+            **self.fork_extra(state, length),
         )
+
+    def fork_extra(self, state: CacheState, length: int) -> dict:
+        """Fields of a :class:`CacheState` subclass a fork carries (default: none)."""
+        return {}
 
     # -- cross-trajectory prefix reuse ---------------------------------------------------------
     def prefix_stores(self, state: CacheState) -> dict[str, PagedStore]:
@@ -311,7 +430,9 @@ class SharingMethod(ABC):
         """
         n = self.cached_length(state)
         for a, store in state.lr.items():
-            if store.length != n:
+            if self.adapter_uid.get(a) != state.uids.get(a):
+                continue  # unloaded since the state's last turn: dropped at its next one
+            if store.length > n or (store.length != n and a not in state.late):
                 raise CacheIntegrityError(
                     f"{self.name}: LR cache of '{a}' has {store.length} tokens, base has {n}"
                 )
@@ -319,27 +440,47 @@ class SharingMethod(ABC):
 
 class SplitKVMethod(SharingMethod):
     """A method whose state is one base cache plus one LR cache per agent (BaseShared,
-    PreLRShared, ReBaseShared): the K/V split into base + LR of DESIGN.md, Notation."""
+    PreLRShared, ReBaseShared): the K/V split into base + LR of DESIGN.md, Notation.
+
+    A published base block holds the LR rows of every agent loaded when it was written, so its
+    prefix hash is seeded with the adapter-set version (:attr:`CacheState.version`): after an
+    adapter is added, blocks published before are not taken, and a trajectory whose LR caches lag
+    (``state.late``) publishes nothing."""
 
     splits_kv = True
 
-    def new_state(self) -> CacheState:
+    def empty_state(self) -> CacheState:
         base = self.new_kv_store()
         return CacheState(base=base, lr=self.new_lr_stores(base))
 
     def cached_length(self, state: CacheState) -> int:
         return state.base.length
 
+    @staticmethod
+    def _base_key(state: CacheState) -> str:
+        return f"base@{state.version}" if state.version else "base"
+
     def prefix_stores(self, state: CacheState) -> dict[str, PagedStore]:
-        return {"base": state.base}
+        return {} if state.late else {self._base_key(state): state.base}
 
     def reuse_key(self, agent: str | None) -> str | None:
         return "base"
 
+    def _store(self, state: CacheState, key: str) -> PagedStore:
+        return state.base
+
     def reuse_prefix(self, state: CacheState, agent: str | None, token_ids: list[int]) -> int:
         before = state.base.length
-        super().reuse_prefix(state, agent, token_ids)
+        usable = self.reuse_key(agent) is not None and self.prefix_caching and state.turn_start is None
+        if usable and not state.late:
+            key = self._base_key(state)
+            attach(state.base, state.prefix.setdefault(key, PrefixChain(key, salt=state.salt)), token_ids)
         if state.base.length > before:  # a published block holds every agent's LR rows
             for view in state.lr.values():
                 view.commit(state.base.length)
         return self.prefill_start(state, agent)
+
+    def add_agent_cache(self, state: CacheState, agent: str) -> None:
+        state.lr[agent] = LRView(state.base, agent)
+        if state.base.length:
+            state.late.add(agent)

@@ -5,6 +5,7 @@ not seen. Its prefill cost is therefore NonShared's; it saves memory, not comput
 
 from __future__ import annotations
 
+from precache.cache.pool import LRView
 from precache.cache.rowplan import BaseWrite, LRWrite, RowPlan, View
 from precache.errors import CacheIntegrityError
 from precache.methods.base import CacheState, SplitKVMethod
@@ -21,6 +22,9 @@ class BaseShared(SplitKVMethod):
 
     def reuse_key(self, agent: str | None) -> str | None:
         return None
+
+    def add_agent_cache(self, state: CacheState, agent: str) -> None:
+        state.lr[agent] = LRView(state.base, agent)  # it reads from token 0 at its turn, as any agent
 
     def prefill_start(self, state: CacheState, agent: str | None) -> int:
         return state.base.length if agent is None else state.lr[agent].length

@@ -52,6 +52,7 @@ class DroidSpeak(SelectiveRecompute):
     def __init__(self, model, adapters, layers: tuple[int, int] | None = None, **pool):
         super().__init__(model, adapters, **pool)
         num_layers = model.config.num_layers
+        self.layers_given = layers is not None
         if layers is None:
             stored = profile_path(self.adapters)
             if stored is not None and stored.is_file():
@@ -64,6 +65,15 @@ class DroidSpeak(SelectiveRecompute):
                 )
                 layers = profile(model, self.adapters)["layers"]
         self.layers = None if layers is None else check_layer_range(layers, num_layers)
+
+    def adapters_changed(self) -> None:
+        """The profiled range belongs to the adapter set: a new set is profiled again (on seeded
+        random tokens, logged), unless the range was given."""
+        if self.layers_given:
+            return
+        logger.warning("droidspeak: the adapter set changed; profiling it again on random tokens")
+        layers = profile(self.model, self.adapters)["layers"] if self.adapters else None
+        self.layers = None if layers is None else check_layer_range(layers, self.model.config.num_layers)
 
     def recompute(self, state, agent, n):
         if self.layers is None:  # no adapter: every entry is the base model's own

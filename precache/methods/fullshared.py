@@ -14,7 +14,7 @@ from precache.methods.base import CacheState, SharingMethod
 class FullShared(SharingMethod):
     name = "fullshared"
 
-    def new_state(self) -> CacheState:
+    def empty_state(self) -> CacheState:
         return CacheState(full={"shared": self.new_kv_store()})
 
     def view_kv(self, state, agent, layer, end):

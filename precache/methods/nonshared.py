@@ -16,7 +16,7 @@ _BASE_KEY = "<base>"
 class NonShared(SharingMethod):
     name = "nonshared"
 
-    def new_state(self) -> CacheState:
+    def empty_state(self) -> CacheState:
         return CacheState(full={a: self.new_kv_store() for a in [*self.adapters, _BASE_KEY]})
 
     def _own(self, state: CacheState, agent: str | None):
@@ -26,11 +26,22 @@ class NonShared(SharingMethod):
         own = self._own(state, agent)  # an agent's view covers what it has read
         return materialise_view(self.model, layer, View(own, 0, min(end, own.length)))
 
+    def add_agent_cache(self, state: CacheState, agent: str) -> None:
+        state.full[agent] = self.new_kv_store()  # read from token 0 at its first turn, as any agent's
+
+    @staticmethod
+    def _key(agent: str, uid: int | None) -> str:
+        return agent if agent == _BASE_KEY else f"{agent}#{uid}"  # a load of an adapter, not its name
+
     def prefix_stores(self, state: CacheState):
-        return dict(state.full)  # an agent reuses only what the same agent wrote
+        # an agent reuses only what the same load of the same adapter wrote
+        return {self._key(a, state.uids.get(a)): s for a, s in state.full.items()}
 
     def reuse_key(self, agent: str | None) -> str | None:
-        return _BASE_KEY if agent is None else agent
+        return _BASE_KEY if agent is None else self._key(agent, self.adapter_uid.get(agent))
+
+    def _store(self, state: CacheState, key: str):
+        return state.full[key.rsplit("#", 1)[0] if key != _BASE_KEY else key]
 
     def cached_length(self, state: CacheState) -> int:
         return max(s.length for s in state.full.values())

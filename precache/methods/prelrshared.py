@@ -5,8 +5,8 @@ Every later turn prefills only new tokens; memory is one base plus N rank-r LR c
 
 from __future__ import annotations
 
-from precache.cache.rowplan import BaseWrite, RowPlan, View
-from precache.methods.base import SplitKVMethod
+from precache.cache.rowplan import BaseWrite, LRWrite, RowPlan, View
+from precache.methods.base import CacheState, SplitKVMethod
 
 
 class PreLRShared(SplitKVMethod):
@@ -18,3 +18,34 @@ class PreLRShared(SplitKVMethod):
         lr = state.lr.get(agent) if agent is not None else None
         view = View(state.base, 0, end, lr, self.adapter(agent))
         return [RowPlan(token_ids, pos0, self.adapter(agent), writes, [view])]
+
+    def catch_up(self, state: CacheState, agent, token_ids, authors):
+        """An agent added at run time gets the LR rows PreLRShared would have written had it been
+        loaded from the start: each segment's author runs again over it (reading the caches it
+        read then, so its hidden states ``h^j`` come out as they did) and writes only ``h^j A_a``.
+        Where the author is unknown (blocks from another trajectory) or no longer loaded, the base
+        model's hidden states ``h^0`` stand in (DESIGN.md, "Adapters loaded at run time")."""
+        if agent is None or agent not in state.late:
+            return []
+        state.late.discard(agent)
+        view, write = state.lr[agent], LRWrite(state.lr[agent], self.adapters[agent])
+        runs: list[list] = []  # [start, end, author or None]
+        for p in range(view.length, state.base.length):
+            a = authors[p] if p < len(authors) else None
+            if a not in self.adapters or a in state.late or a == agent:
+                a = None
+            if runs and runs[-1][2] == a:
+                runs[-1][1] = p + 1
+            else:
+                runs.append([p, p + 1, a])
+        return [
+            RowPlan(
+                token_ids[s:e],
+                s,
+                self.adapter(a),
+                [write],
+                [View(state.base, 0, e, state.lr[a] if a is not None else None, self.adapter(a))],
+                want_logits=False,
+            )
+            for s, e, a in runs
+        ]

@@ -56,6 +56,20 @@ class ReBaseShared(SplitKVMethod):
             return [adapted, self._neutral_plan(state, agent, token_ids, pos0)]
         return [adapted]
 
+    def catch_up(self, state: CacheState, agent, token_ids, authors):
+        """An agent added at run time has no segment of its own yet, so its LR cache is
+        ``h^0 A_a`` over the whole trajectory (DESIGN.md fact 5): one neutral row over the gap,
+        reading the base it wrote, writes it."""
+        if agent is None or agent not in state.late:
+            return []
+        state.late.discard(agent)
+        start, end = state.lr[agent].length, state.base.length
+        if start >= end:
+            return []
+        write = LRWrite(state.lr[agent], self.adapters[agent])
+        view = View(state.base, 0, end)
+        return [RowPlan(token_ids[start:end], start, None, [write], [view], want_logits=False)]
+
     def end_turn(self, state: CacheState, agent: str | None, trajectory: list[int]) -> list[RowPlan]:
         t0, end = state.turn_start, state.turn.length
         state.turn.release()

@@ -93,15 +93,11 @@ class SelectiveRecompute(FullShared):
 
     turn_local_view = True
 
-    def new_state(self) -> SelectiveState:
+    def empty_state(self) -> SelectiveState:
         return SelectiveState(full={"shared": self.new_kv_store()})
 
-    def fork_state(self, state: SelectiveState, length: int, open_turn: bool = False) -> SelectiveState:
-        forked = super().fork_state(state, length, open_turn)
-        return SelectiveState(
-            **{f: getattr(forked, f) for f in ("base", "lr", "full", "turn", "turn_start", "prefix", "salt")},
-            token_ids=state.token_ids[:length],
-        )
+    def fork_extra(self, state: SelectiveState, length: int) -> dict:
+        return {"token_ids": state.token_ids[:length]}
 
     def reuse_prefix(self, state: SelectiveState, agent: str | None, token_ids: list[int]) -> int:
         """As :meth:`SharingMethod.reuse_prefix`; also records the trajectory's token ids, which the

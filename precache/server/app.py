@@ -18,14 +18,16 @@ import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from precache.engine.outputs import StreamChunk, Turn
 from precache.engine.structured import check_structured_output
 from precache.errors import StructuredOutputError
+from precache.server import adapters as runtime_adapters
 from precache.server.access import STATE_KEY as ACCESS_STATE_KEY
 from precache.server.access import AccessLog
+from precache.server.adapters import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from precache.server.codec import Codec
 from precache.server.config import ServerConfig
 from precache.server.errors import APIError, error_body, install_error_handlers, quote
@@ -99,6 +101,17 @@ def _add_routes(app: FastAPI, api: _Api, metrics: ServerMetrics) -> None:
         data, content_type = metrics.render()
         return Response(data, media_type=content_type)
 
+    if api.config.runtime_lora:  # vLLM's routes, as vLLM: only when asked for
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+            text = await run_in_threadpool(runtime_adapters.load, engine, api.config.model_name, body)
+            return PlainTextResponse(text)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+            return PlainTextResponse(await run_in_threadpool(runtime_adapters.unload, scheduler, body))
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": api.model_cards()}
@@ -143,7 +156,9 @@ class _Api:
         card = {"object": "model", "created": self.created, "owned_by": "precache"}
         ctx = {"max_model_len": self.engine.max_context}
         out = [{"id": base, **card, "root": base, "parent": None, **ctx}]
-        out += [{"id": name, **card, "root": base, "parent": base, **ctx} for name in self.engine.adapters]
+        out += [
+            {"id": name, **card, "root": base, "parent": base, **ctx} for name in list(self.engine.adapters)
+        ]
         return out
 
     def agent(self, model: str) -> str | None:

@@ -157,7 +157,14 @@ def serve(args: argparse.Namespace) -> int:
             f"--lora-modules {name}=...: the adapter is named like the base model '{name}' "
             "(rename it, or pass --served-model-name)"
         )
-    engine = precache.Engine(model, adapters=adapters, method=args.method, kv_cache_bytes=args.kv_cache_bytes)
+    engine = precache.Engine(
+        model,
+        adapters=adapters,
+        method=args.method,
+        kv_cache_bytes=args.kv_cache_bytes,
+        max_adapters=max_adapters_from_args(args, len(adapters)),
+        max_lora_rank=args.max_lora_rank,
+    )
     config = ServerConfig(
         model_name=name,
         max_running=args.max_num_seqs,
@@ -166,6 +173,7 @@ def serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         trust_client_special_tokens=args.trust_client_special_tokens,
         tool_call_parser=args.tool_call_parser,
+        runtime_lora=args.enable_runtime_lora,
     )
     banner = (
         f"serving {config.model_name} ({engine.method_name}, adapters: {', '.join(adapters) or 'none'}) "
@@ -191,6 +199,17 @@ def serve(args: argparse.Namespace) -> int:
         )
     ).run(sockets=[sock])
     return 0
+
+
+#: spare adapters ``--enable-runtime-lora`` makes room for when ``--max-loras`` is not given
+RUNTIME_LORA_SPARE = 4
+
+
+def max_adapters_from_args(args: argparse.Namespace, n_given: int) -> int | None:
+    """``--max-loras``, else room for :data:`RUNTIME_LORA_SPARE` more with ``--enable-runtime-lora``."""
+    if args.max_loras is not None:
+        return args.max_loras
+    return n_given + RUNTIME_LORA_SPARE if args.enable_runtime_lora else None
 
 
 def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -263,4 +282,23 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="seconds SIGTERM waits for running requests before cancelling them (default 30)",
     )
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill tokens per forward")
+    p.add_argument(
+        "--enable-runtime-lora",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING): whoever can call them loads folders from this machine's disk",
+    )
+    p.add_argument(
+        "--max-loras",
+        type=positive_int,
+        default=None,
+        help="adapters loaded at once, counting those loaded at run time (default: the ones given, "
+        "or 4 more with --enable-runtime-lora); split methods reserve LR-cache columns for each",
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=positive_int,
+        default=None,
+        help="largest rank of an adapter loaded at run time (default: 16 or the largest given)",
+    )
     p.set_defaults(func=serve)

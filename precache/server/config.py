@@ -26,6 +26,9 @@ class ServerConfig:
     body (larger: 413). ``trust_client_special_tokens``: chat message content may spell the chat
     template's control tokens (off: such strings stay text).
 
+    ``runtime_lora``: serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+    (:mod:`precache.server.adapters`; off: those routes do not exist, as in vLLM).
+
     ``tool_call_parser``: the format of tool calls in the model's answers
     (:data:`~precache.server.tools.TOOL_PARSERS`: ``hermes``, ``llama3_json``, ``mistral``).
     """
@@ -38,6 +41,7 @@ class ServerConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     trust_client_special_tokens: bool = False
     tool_call_parser: str = "hermes"
+    runtime_lora: bool = False
 
     def __post_init__(self):
         if self.max_running < 1 or self.max_step_tokens < 1 or self.min_fork_tokens < 0:

@@ -19,7 +19,13 @@ from concurrent.futures import Future
 
 from precache.engine.request import Request, RequestState
 from precache.engine.scheduler import SchedulerConfig
-from precache.errors import CacheCapacityError, OutOfBlocksError, PrecacheError, RequestCancelledError
+from precache.errors import (
+    AdapterBusyError,
+    CacheCapacityError,
+    OutOfBlocksError,
+    PrecacheError,
+    RequestCancelledError,
+)
 from precache.server.config import ServerConfig
 from precache.server.errors import APIError
 from precache.server.jobs import ErrorEvent, Job, finish_reason
@@ -96,6 +102,23 @@ class ServerLoop:
         future: Future = Future()
         self._inbox.put(("call", (fn, future)))
         return future
+
+    def remove_adapter(self, name: str) -> None:
+        """Unload adapter ``name`` on the loop thread, after every job queued before this call was
+        taken in (any thread; waits for the answer).
+
+        Raises:
+            UnknownAdapterError: ``name`` is not loaded.
+            AdapterBusyError: a job of it is waiting here or in the engine.
+        """
+
+        def remove(_pool: SessionPool) -> None:
+            waiting = sum(1 for job in self._pending if job.agent == name)
+            if waiting:
+                raise AdapterBusyError(f"adapter '{name}' is used by {waiting} queued request(s)")
+            self.engine.remove_adapter(name)
+
+        self.call(remove).result()
 
     # -- the loop thread -------------------------------------------------------------------------
     def _run(self) -> None:
