@@ -196,7 +196,8 @@ def test_cli_bench_trace(tiny, tmp_path, capsys):
     assert list(result["methods"]) == ["nonshared", "prelrshared", "fullshared", METHOD_NAME]
     hf, ns = result["methods"][METHOD_NAME], result["methods"]["nonshared"]
     assert hf["median"]["prefill_tokens"] == ns["median"]["prefill_tokens"]
-    assert result["trace_tokens"] == 172 and result["config"]["repeats"] == 1
+    smoke = load_trace(trace_path("smoke"))
+    assert result["trace_tokens"] == smoke.total_tokens and result["config"]["repeats"] == 1
     assert (out / "r.md").read_text().count("\n| ") == 5  # header + 4 rows
     assert (out / "r.png").read_bytes()[:8] == PNG_MAGIC
     assert main([*argv[:-6], "--adapters", str(tmp_path), "--json", str(out / "x.json")]) == 2

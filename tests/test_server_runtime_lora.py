@@ -105,7 +105,8 @@ def test_unload_refuses_unknown_and_busy_adapters_and_the_name_is_gone_after(run
     )
     # a second adapter does not fit: the one spare LR slot is taken
     r = post(server, "load_lora_adapter", {"lora_name": "more", "lora_path": str(dirs["reflect"])})
-    assert r.status_code == 400 and "max_adapters" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "--max-loras" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "no_adapter_slot"
     # hold the server loop so that a request of "act" is queued when the unload arrives
     loop, gate = server.app.state.loop, threading.Event()
     loop.call(lambda pool: gate.wait(30))

@@ -69,9 +69,17 @@ def load(engine, base_name: str, body: LoadLoRAAdapterRequest) -> str:
         )
     try:
         engine.add_adapter(body.lora_name, body.lora_path)
-    except (AdapterError, CacheCapacityError) as exc:
-        param = "lora_path" if isinstance(exc, AdapterError) and "lora_path" not in str(exc) else None
-        raise APIError(400, f"cannot load {quote(body.lora_name)}: {exc}", param, "invalid_adapter") from None
+    except CacheCapacityError as exc:  # the library names its arguments; a server user has flags
+        raise APIError(
+            400,
+            f"cannot load {quote(body.lora_name)}: {exc} (precache serve: --max-loras / --max-lora-rank)",
+            "lora_name",
+            "no_adapter_slot",
+        ) from None
+    except AdapterError as exc:
+        raise APIError(
+            400, f"cannot load {quote(body.lora_name)}: {exc}", "lora_path", "invalid_adapter"
+        ) from None
     return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
 
