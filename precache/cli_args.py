@@ -22,3 +22,28 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+#: ``--dtype``: the weights' and the compute dtype (the KV caches follow the compute dtype)
+DTYPES = ("float32", "bfloat16")
+
+
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """``--dtype float32 | bfloat16`` (default: ``precache.load_model``'s, bfloat16 on CUDA and
+    float32 on a CPU; README, "Precision on CPU")."""
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="weights, compute and KV caches (default: bfloat16 on CUDA, float32 on CPU)",
+    )
+
+
+def dtype_of(args: argparse.Namespace):
+    """The ``torch.dtype`` of ``--dtype`` (None: ``load_model``'s default)."""
+    name = getattr(args, "dtype", None)
+    if name is None:
+        return None
+    import torch  # the parser needs no torch; only a command that loads a model does
+
+    return getattr(torch, name)

@@ -54,3 +54,28 @@ def test_mixed_adapter_batch_equals_rows_alone(tmp_path):
         alone = dense_logits(ours, [seq], [adapter])[0]
         assert torch.allclose(got, alone, atol=1e-5), adapter.name if adapter else None
     assert (batched[0] - batched[3]).abs().max() > 1e-2  # rows with different adapters really differ
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 64, 300])
+@pytest.mark.parametrize(("d_out", "d_in"), [(960, 576), (3072, 576), (576, 1536), (10, 6), (7, 5)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_thread_split_linear_equals_f_linear(rows, d_out, d_in, bias):
+    """The CPU fp32 projection split over the torch threads (a batched product over slices of the
+    output rows) against ``F.linear``: float rounding only (relative 1e-6); an odd ``d_out`` that
+    does not split keeps ``F.linear`` itself."""
+    from precache.models.llama import linear
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gen = torch.Generator().manual_seed(rows * d_out + d_in)
+        x, w = torch.randn(rows, d_in, generator=gen), torch.randn(d_out, d_in, generator=gen)
+        b = torch.randn(d_out, generator=gen) if bias else None
+        want = torch.nn.functional.linear(x, w, b)
+        got = linear(x, w, b)
+        assert got.shape == want.shape
+        assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+        if d_out % 2:
+            assert torch.equal(got, want)
+    finally:
+        torch.set_num_threads(threads)

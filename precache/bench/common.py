@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from precache.bench import report
+from precache.cli_args import add_dtype_argument
 from precache.methods import METHOD_REGISTRY
 from precache.terminal import console
 
@@ -36,11 +37,12 @@ def special_ids(model) -> list[int]:
 
 
 def add_common_args(parser: argparse.ArgumentParser, default_methods: str | None) -> None:
-    """``--adapters --model --json --markdown --threads`` (and ``--methods`` unless None)."""
+    """``--adapters --model --dtype --json --markdown --threads`` (and ``--methods`` unless None)."""
     if default_methods is not None:
         parser.add_argument("--methods", default=default_methods, help="comma-separated sharing methods")
     parser.add_argument("--adapters", default="qv", help="qv | all (committed sets) | DIR with DIR/<agent>/")
     parser.add_argument("--model", help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
+    add_dtype_argument(parser)
     parser.add_argument("--json", required=True, help="results file")
     parser.add_argument("--markdown", help="also write the markdown table here")
     parser.add_argument(

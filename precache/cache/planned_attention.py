@@ -47,6 +47,29 @@ class _WriteGroup:
     dst: slice | torch.Tensor
     adapter: LoRAAdapter | None = None
     cols: tuple[slice, slice] | None = None
+    #: ``"lr_all"``: every agent's ``(adapter, cols)`` written from the same rows, whose columns
+    #: tile one range (``cols[0]``): one product with the agents' ``A`` side by side, one write
+    fused: tuple[tuple[LoRAAdapter, tuple[slice, slice]], ...] = ()
+
+    def down_all(self, layer: int, d_in: int) -> torch.Tensor:
+        """``[A^k_1 A^v_1 A^k_2 ...]`` ``[d, sum of ranks]`` at ``layer``, in column order (zero
+        columns where an adapter skips the layer), built once per adapter set and layer."""
+        cache = self.pool.fused_lr_down
+        key = (layer, tuple((id(a), c[0].start) for a, c in self.fused))
+        hit = cache.get(key)  # the entry holds its adapters, so their ids are not reused meanwhile
+        if hit is None:
+            mats = []
+            for adapter, (ck, cv) in self.fused:
+                for proj, cols in (("k_proj", ck), ("v_proj", cv)):
+                    width = cols.stop - cols.start
+                    if not width:
+                        continue
+                    if adapter.has(layer, proj):
+                        mats.append(adapter.weights[(layer, proj)][0])
+                    else:  # not read at this layer (the backend checks ``has``): zeros
+                        mats.append(self.pool.lr.new_zeros(d_in, width))
+            hit = cache[key] = (tuple(a for a, _ in self.fused), torch.cat(mats, dim=1))
+        return hit[1]
 
 
 #: a row's tokens as runs of consecutive positions: ``(first position, end position, batch row of
@@ -86,6 +109,9 @@ class PlannedAttention:
             idle = {i for i, on in zip(self._recompute, writing, strict=True) if not on}
             self.writes, self._writing = _write_groups(self.plans, self.layouts, idle), writing
         for g in self.writes:
+            if g.kind == "lr_all":
+                g.pool.lr[layer][g.dst, g.cols[0]] = x.h[g.src] @ g.down_all(layer, x.h.shape[1])
+                continue
             if g.kind == "lr":
                 lk, lv = _lr_entries(x, g.src, g.adapter)
                 if lk is not None:
@@ -195,6 +221,31 @@ def _write_groups(plans: list[RowPlan], layouts: list[Layout], idle: set[int]) -
                     entry[2].append((b + first - s, b + e - s))
                     entry[3].extend((row, row + stop - p) for p, stop, row in w.paged.runs(first, e))
     out = []
+    fused: dict[tuple, list] = {}  # LR writes of several agents from the same rows to the same rows
+    for key, (_plan, _w, src, dst) in groups.items():
+        if key[0] == "lr":
+            fused.setdefault((key[1], tuple(src), tuple(dst)), []).append(key)
+    for (_, src, dst), keys in fused.items():
+        writes = sorted((groups[k][1] for k in keys), key=lambda w: w.store.cols_k.start)
+        spans = [(w.store.cols_k.start, w.store.cols_v.stop) for w in writes]
+        if len(writes) < 2 or any(a[1] != b[0] for a, b in zip(spans, spans[1:], strict=False)):
+            continue  # one agent, or columns that do not tile one range: written one by one
+        pool = writes[0].paged.pool
+        parts = tuple((w.adapter, (w.store.cols_k, w.store.cols_v)) for w in writes)
+        cols = (slice(spans[0][0], spans[-1][1]), slice(0, 0))
+        out.append(
+            _WriteGroup(
+                "lr_all",
+                pool,
+                _merged(list(src), pool.device),
+                _merged(list(dst), pool.device),
+                None,
+                cols,
+                parts,
+            )
+        )
+        for k in keys:
+            del groups[k]
     for key, (plan, w, src, dst) in groups.items():
         pool = w.paged.pool
         adapter = w.adapter if isinstance(w, LRWrite) else plan.adapter

@@ -86,6 +86,9 @@ class KVPool:
         self.lr = torch.empty(num_layers, n, self.lr_width, dtype=dtype, device=device)
         self.allocator = BlockAllocator(num_blocks)
         self._lr_widths = {a: rk + rv for a, (rk, rv) in lr_ranks.items()}
+        #: the agents' LR down-projections side by side, per layer and adapter set
+        #: (:class:`~precache.cache.planned_attention` writes every agent's LR rows in one product)
+        self.fused_lr_down: dict[tuple, tuple] = {}
         self._stores: weakref.WeakSet[PagedStore] = weakref.WeakSet()
 
     @property
@@ -132,6 +135,7 @@ class KVPool:
         """Give an agent's LR columns back (they keep their garbage until a new owner writes them)."""
         cols_k, _ = self.lr_cols.pop(agent)
         self.free_lr.append((cols_k.start, self._lr_widths.pop(agent)))
+        self.fused_lr_down.clear()  # it holds the unloaded adapter
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy every layer's keys, values and LR rows of block ``src`` into ``dst``."""

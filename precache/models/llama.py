@@ -29,6 +29,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` (``x`` ``[N, d_in]``, ``weight`` ``[d_out, d_in]`` -> ``[N, d_out]``), split over
+    the torch threads on a CPU at fp32.
+
+    MKL runs a matrix-vector product (decode: a few rows) on one thread, so a decode step streamed
+    its weights at one core's bandwidth (12 GB/s here, benchmarks/RESULTS.md "Issue 22"). Viewing
+    ``weight`` as ``T`` slices of ``d_out / T`` output rows (no copy) and multiplying them as one
+    batched product spreads the slices over the ``T`` threads; each output is the same dot product
+    over ``d_in``, equal to ``F.linear``'s up to float rounding (relative error below 1e-6,
+    ``tests/test_forward.py``). Other devices, dtypes (bf16 already runs on every thread) and
+    shapes keep ``F.linear``.
+    """
+    parts = torch.get_num_threads()
+    n_out = weight.shape[0]
+    if parts < 2 or x.dim() != 2 or n_out % parts or weight.dtype != torch.float32 or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    n, d_in = x.shape
+    y = torch.bmm(
+        x.unsqueeze(0).expand(parts, n, d_in), weight.view(parts, n_out // parts, d_in).transpose(1, 2)
+    )
+    y = y.transpose(0, 1).reshape(n, n_out)
+    return y if bias is None else y.add_(bias)
+
+
 def add_lora(y: torch.Tensor, x: torch.Tensor, rows: list[Row], layer: int, proj: str) -> torch.Tensor:
     """Add each row's LoRA delta ``s (x A) B`` to ``y`` in place. ``x`` ``[N, d_in]``, ``y`` ``[N, d_out]``."""
     for row in rows:
@@ -139,13 +163,13 @@ class LlamaModel:
     def project_kv(self, layer: int, h: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """Adapter-free ``(K after RoPE, V)`` ``[n, n_kv_heads, head_dim]`` of attention inputs ``h`` ``[n, hidden]``."""
         c, w = self.config, self.layers[layer]
-        _, k_lin, v_lin = F.linear(h, w["qkv"], w["qkv_bias"]).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        _, k_lin, v_lin = linear(h, w["qkv"], w["qkv_bias"]).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         return self.finish_kv(layer, k_lin, v_lin, cos, sin)
 
     def _attention_input(self, x, i, rows, cos, sin) -> LayerInput:
         c, w = self.config, self.layers[i]
         h = rms_norm(x, w["input_norm"], c.rms_norm_eps)
-        qkv = F.linear(h, w["qkv"], w["qkv_bias"])  # [N, q + 2 kv]
+        qkv = linear(h, w["qkv"], w["qkv_bias"])  # [N, q + 2 kv]
         q_lin, k_lin, v_lin = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = add_lora(q_lin, h, rows, i, "q_proj").view(-1, c.num_heads, c.head_dim)
         if w["q_norm"] is not None:
@@ -155,10 +179,10 @@ class LlamaModel:
     def _mlp(self, x, i, rows) -> torch.Tensor:
         c, w = self.config, self.layers[i]
         h = rms_norm(x, w["post_norm"], c.rms_norm_eps)
-        gate_up = F.linear(h, w["gate_up"], w["gate_up_bias"])
+        gate_up = linear(h, w["gate_up"], w["gate_up_bias"])
         gate, up = gate_up.split([c.intermediate_size, c.intermediate_size], dim=-1)
         gated = self.act(add_lora(gate, h, rows, i, "gate_proj")) * add_lora(up, h, rows, i, "up_proj")
-        return add_lora(F.linear(gated, w["down_proj"], w["down_proj_bias"]), gated, rows, i, "down_proj")
+        return add_lora(linear(gated, w["down_proj"], w["down_proj_bias"]), gated, rows, i, "down_proj")
 
     @torch.inference_mode()
     def forward(
@@ -193,7 +217,7 @@ class LlamaModel:
         narrow = getattr(attention, "narrow", None)  # selective recomputation (contract.Narrowing)
         for i, w in enumerate(self.layers):
             attn = attention.attend(self._attention_input(x, i, rows, cos, sin))  # [N, Hq * D]
-            x = x + add_lora(F.linear(attn, w["o_proj"], w["o_proj_bias"]), attn, rows, i, "o_proj")
+            x = x + add_lora(linear(attn, w["o_proj"], w["o_proj_bias"]), attn, rows, i, "o_proj")
             x = x + self._mlp(x, i, rows)
             cut = narrow(i) if narrow is not None else None
             if cut is not None:
@@ -201,7 +225,7 @@ class LlamaModel:
         if logits_at is None:
             logits_at = [row.end - 1 for row in rows]
         last = rms_norm(x[logits_at], self.norm, c.rms_norm_eps)
-        return F.linear(last, self.lm_head).float()
+        return linear(last, self.lm_head).float()
 
 
 class DenseAttention:

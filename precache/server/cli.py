@@ -13,10 +13,8 @@ import logging
 import socket
 from pathlib import Path
 
-import torch
-
 import precache
-from precache.cli_args import positive_int
+from precache.cli_args import add_dtype_argument, dtype_of, positive_int
 from precache.errors import AdapterError, PrecacheError
 from precache.methods import METHOD_REGISTRY
 from precache.resources import adapter_set
@@ -116,19 +114,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=DIR",
         help="adapters by agent name",
     )
-    parser.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16"),
-        default=None,
-        help="default: bfloat16 on CUDA, else float32",
-    )
+    add_dtype_argument(parser)
     parser.add_argument("--device", default=None, help="torch device, e.g. cuda (default: CPU)")
 
 
 def load_model_from_args(args: argparse.Namespace):
     """The model of ``--model/--dtype/--device`` (raises ModelLoadError)."""
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    return precache.load_model(args.model, dtype=dtype, device=args.device)
+    return precache.load_model(args.model, dtype=dtype_of(args), device=args.device)
 
 
 def served_model_name(args: argparse.Namespace, model) -> str:
