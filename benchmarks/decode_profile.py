@@ -8,7 +8,7 @@ parts are subtracted from their parent; a wrapper costs about a microsecond a ca
 - ``scheduler``: ``Engine.step`` minus what it calls below (admission, rows, plans, bookkeeping);
 - ``metadata``: ``run_plans`` minus the model's forward (block reservation, attention metadata,
   the lengths' commit);
-- ``weights matmuls``: ``F.linear``: the forward's projections (q/k/v fused, o, gate/up fused,
+- ``weights matmuls``: ``models.llama.linear`` (``F.linear`` before it existed): the forward's projections (q/k/v fused, o, gate/up fused,
   down) and the LM head;
 - ``attention + LR``: ``PlannedAttention.attend`` (the cache writes: base K/V and every agent's LR
   rows, then the backend: reads, LR terms ``s (P Lv) B`` and ``RoPE(s Lk B)``, softmax);
@@ -137,7 +137,11 @@ def main() -> None:
     clock.wrap(precache.Engine, "step", "step")
     clock.wrap(plan_module, "run_plans", "run_plans")
     clock.wrap(type(model), "forward", "forward")
-    clock.wrap(torch.nn.functional, "linear", "linear")  # the projections and the LM head
+    # the projections and the LM head (``models.llama.linear``, or ``F.linear`` in older code)
+    if hasattr(llama, "linear"):
+        clock.wrap(llama, "linear", "linear")
+    else:
+        clock.wrap(torch.nn.functional, "linear", "linear")
     clock.wrap(PlannedAttention, "attend", "attend")
     clock.wrap(llama, "add_lora", "add_lora")
     clock.wrap(Request, "sample", "sample")

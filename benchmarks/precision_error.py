@@ -35,7 +35,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     engines = {
         name: precache.Engine(
-            precache.load_model(dtype=dtype), adapters=adapter_set("qv"), method=args.method, prefix_caching=False
+            precache.load_model(dtype=dtype),
+            adapters=adapter_set("qv"),
+            method=args.method,
+            prefix_caching=False,
         )
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
     }
@@ -66,14 +69,20 @@ def main() -> None:
     print(f"{n} HotpotQA dev questions, {args.method}, qv adapters, {args.threads} threads")
     print("| measure | value |")
     print("|---|---|")
-    print(f"| first-turn logits, max abs error (median / max) | "
-          f"{sorted(r['max_abs'] for r in rows)[n // 2]:.3f} / {max(r['max_abs'] for r in rows):.3f} |")
-    print(f"| first-turn KL(fp32 || bf16), nats (median / max) | "
-          f"{sorted(r['kl'] for r in rows)[n // 2]:.4f} / {max(r['kl'] for r in rows):.4f} |")
+    print(
+        f"| first-turn logits, max abs error (median / max) | "
+        f"{sorted(r['max_abs'] for r in rows)[n // 2]:.3f} / {max(r['max_abs'] for r in rows):.3f} |"
+    )
+    print(
+        f"| first-turn KL(fp32 || bf16), nats (median / max) | "
+        f"{sorted(r['kl'] for r in rows)[n // 2]:.4f} / {max(r['kl'] for r in rows):.4f} |"
+    )
     print(f"| first-turn top-1 agreement | {sum(r['top1'] for r in rows)}/{n} |")
     print(f"| episodes identical in every turn | {sum(r['identical'] for r in rows)}/{n} |")
     print(f"| identical final answers | {sum(r['same_answer'] for r in rows)}/{n} |")
-    print(f"| EM fp32 / bf16 | {sum(r['em'][0] for r in rows) / n:.2f} / {sum(r['em'][1] for r in rows) / n:.2f} |")
+    print(
+        f"| EM fp32 / bf16 | {sum(r['em'][0] for r in rows) / n:.2f} / {sum(r['em'][1] for r in rows) / n:.2f} |"
+    )
     for name, (tokens, seconds) in speed.items():
         print(f"| decode tokens/s, {name} | {tokens / seconds:.1f} |")
     print("first diverging turn per question:", [r["first_diverging_turn"] for r in rows])

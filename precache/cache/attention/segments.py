@@ -144,26 +144,32 @@ def _chunked(
 def _explicit(
     q: torch.Tensor, q_start: int, segments: list[Segment], window: int | None = None
 ) -> torch.Tensor:
+    """A decode row's attention with its reads in place: scores per segment (the scale folded into
+    the few queries), one softmax, then ``P Vb`` and the low-rank value term ``s (P Lv) B^v`` added
+    in one batched product per segment."""
     T, Hq, D = q.shape
     Hkv = segments[0].k.shape[1]
     G = Hq // Hkv
-    qh = q.view(T, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * T, D)  # [Hkv, G*T, D]
-    scores = torch.cat([qh @ s.k.permute(1, 2, 0) for s in segments], dim=-1) / math.sqrt(D)  # [Hkv, G*T, n]
+    qh = (q * (1.0 / math.sqrt(D))).view(T, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * T, D)
+    if len(segments) == 1:
+        scores = torch.bmm(qh, segments[0].k.permute(1, 2, 0))  # [Hkv, G*T, n]
+    else:
+        scores = torch.cat([torch.bmm(qh, s.k.permute(1, 2, 0)) for s in segments], dim=-1)
     key_end = segments[-1].start + segments[-1].k.shape[0]
     if T > 1 or key_end > q_start + 1 or _windowed(q_start, T, segments, window):
         mask = _causal_mask(q_start, T, segments, q.device, window)  # [T, n]
         scores = scores.view(Hkv, G, T, -1).masked_fill(~mask, float("-inf")).view(Hkv, G * T, -1)
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    out = torch.zeros(Hkv, G * T, D, dtype=q.dtype, device=q.device)
-    col = 0
+    out, col = None, 0
     for s in segments:
-        p = probs[..., col : col + s.k.shape[0]]  # [Hkv, G*T, n_s]
-        col += s.k.shape[0]
-        out += p @ s.v.transpose(0, 1)  # P Vb
+        n = s.k.shape[0]
+        p = probs if len(segments) == 1 else probs[..., col : col + n]  # [Hkv, G*T, n_s]
+        col += n
+        pv = torch.bmm(p, s.v.transpose(0, 1))  # P Vb
+        out = pv if out is None else out.add_(pv)
         if s.lv is not None:
-            plr = p.reshape(Hkv * G * T, -1) @ s.lv  # P Lv: [Hkv*G*T, r], Lv shared by all heads
-            bv = s.bv.view(-1, Hkv, D).transpose(0, 1)  # [Hkv, r, D]
-            out += s.scaling * (plr.view(Hkv, G * T, -1) @ bv)
+            plr = (p.reshape(Hkv * G * T, n) @ s.lv).view(Hkv, G * T, -1)  # P Lv, Lv shared by all heads
+            out = torch.baddbmm(out, plr, s.bv.view(-1, Hkv, D).transpose(0, 1), alpha=s.scaling)
     return out.view(Hkv, G, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D)
 
 
