@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from precache.engine import RequestState
+from precache.engine.request import Phase
 from precache.errors import CacheCapacityError, RequestCancelledError
 from precache.methods import METHODS
 from tests.tiny import make_engine
@@ -221,3 +222,32 @@ def test_random_arrivals_cancellations_and_pool_sizes_keep_every_token(tiny, dat
         s.close()
     assert engine.pool.allocator.num_held == 0
     engine.pool.allocator.check()
+
+
+def test_a_request_cancelled_before_its_prefill_ran_retires_without_rows(tiny):
+    """Found by the property test above: a request admitted (turn open) whose prefill did not fit
+    the step, cancelled before it ran, closes its turn with nothing prefilled; it must retire that
+    step, not run prefill rows on the closed turn (ReBaseShared had no turn cache left for them)."""
+    model, dirs, _ = tiny
+    method = "rebaseshared-lp"  # its turn cache is gone once the turn closes
+    engine = make_engine(
+        model, dirs, method, prefix_caching=False, kv_cache_bytes=9 * _block_bytes(tiny, method)
+    )
+    small = [engine.session() for _ in range(2)]
+    for i, s in enumerate(small):
+        s.append(_ids(100 + i, 5))
+    big = engine.session()
+    big.append(_ids(103, 33))
+    params = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+    requests = [s.submit(AGENTS[i], **params) for i, s in enumerate(small)]
+    cancelled = big.submit("plan", **params)
+    engine.step()  # the small ones run; the big one's turn is open but its rows did not fit
+    assert cancelled.phase is Phase.PREFILL and cancelled.prefill_tokens == 0
+    engine.cancel(cancelled)
+    ran = engine.step()
+    assert cancelled not in ran.requests and cancelled.finished
+    assert cancelled.state is RequestState.CANCELLED and not cancelled.chunks
+    assert big.token_ids == _ids(103, 33)
+    for i, r in enumerate(requests):
+        assert r.outcome().token_ids == _alone(tiny, method, _ids(100 + i, 5), AGENTS[i], **params)
+    big.check()

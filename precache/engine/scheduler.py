@@ -220,7 +220,9 @@ class Scheduler:
     def _schedule_running(self, batch: Batch, room: _Room) -> None:
         """Every running request's rows, oldest first, making room by preempting younger ones."""
         for r in list(self.running):
-            if r.state is RequestState.RUNNING:  # not preempted earlier in this loop
+            # not preempted earlier in this loop, nor closed (a cancelled turn with no post-turn
+            # pass is DONE: it retires this step and runs no more rows)
+            if r.state is RequestState.RUNNING and r.phase is not Phase.DONE:
                 self._take_rows(r, batch, room, make_room=True)
 
     def _take_rows(self, r: Request, batch: Batch, room: _Room, make_room: bool) -> bool:
