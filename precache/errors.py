@@ -19,6 +19,10 @@ class AdapterError(PrecacheError):
     """A LoRA adapter folder is missing, malformed, unsupported or does not fit the base model."""
 
 
+class AdapterLimitError(AdapterError):
+    """An engine holds ``max_adapters`` adapters already, or an adapter's rank is above ``max_lora_rank``."""
+
+
 class AdapterBusyError(PrecacheError):
     """An adapter cannot be unloaded while a request of it is waiting or running."""
 

@@ -270,3 +270,11 @@ def test_one_v_keeps_transformers_config_dumps_quiet():
         assert hf_logging.get_verbosity() == logging.DEBUG
     finally:
         set_verbosity(0)
+
+
+@pytest.mark.parametrize("flags", [["--max-loras", "4"], ["--max-lora-rank", "32"]])
+def test_serve_refuses_adapter_room_flags_without_runtime_loading(no_model, capsys, flags):
+    """Without --enable-runtime-lora nothing can use the reserved room: refused before loading."""
+    assert main(["serve", *flags]) == 2
+    err = _one_line_error(capsys, f"AdapterError: {flags[0]}: only with --enable-runtime-lora")
+    assert "serving" not in err

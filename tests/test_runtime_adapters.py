@@ -12,7 +12,13 @@ import torch
 
 import precache
 from precache.engine.request import Request
-from precache.errors import AdapterBusyError, AdapterError, CacheCapacityError, UnknownAdapterError
+from precache.errors import (
+    AdapterBusyError,
+    AdapterError,
+    AdapterLimitError,
+    CacheCapacityError,
+    UnknownAdapterError,
+)
 from precache.methods import METHODS
 from tests.tiny import close, make_engine, peft_logits, save_random_adapter, tiny_model
 
@@ -218,3 +224,19 @@ def test_engine_options_are_checked(setup):
         precache.Engine(model, adapters={"plan": dirs["plan"], "action": dirs["action"]}, max_adapters=1)
     with pytest.raises(ValueError, match="max_lora_rank"):
         precache.Engine(model, adapters={"action": dirs["action"]}, max_lora_rank=4)
+
+
+@pytest.mark.parametrize("method", ["nonshared", "fullshared", "prelrshared"])
+def test_max_adapters_and_max_lora_rank_bound_every_method(setup, method):
+    """Given bounds hold under every method, not only where they size LR columns."""
+    model, _, dirs = setup
+    engine = make_engine(model, {"plan": dirs["plan"]}, method, max_adapters=2, max_lora_rank=8)
+    with pytest.raises(AdapterLimitError, match="max_lora_rank=8"):
+        engine.add_adapter("wide", dirs["wide"])  # rank 32
+    engine.add_adapter("action", dirs["action"])  # rank 8: the second of two
+    with pytest.raises(AdapterLimitError, match="max_adapters=2"):
+        engine.add_adapter("reflect", dirs["reflect"])
+    assert set(engine.adapters) == {"plan", "action"}
+    engine.remove_adapter("action")
+    engine.add_adapter("reflect", dirs["reflect"])  # room again
+    assert set(engine.adapters) == {"plan", "reflect"}

@@ -20,7 +20,7 @@ from precache.engine.outputs import Turn
 from precache.engine.request import Request
 from precache.engine.scheduler import Batch, Scheduler
 from precache.engine.session import Session
-from precache.errors import AdapterBusyError, AdapterError, UnknownAdapterError
+from precache.errors import AdapterBusyError, AdapterError, AdapterLimitError, UnknownAdapterError
 from precache.lora.adapter import LoRAAdapter, load_adapter
 from precache.methods import METHOD_REGISTRY, make_method
 from precache.models import load_model
@@ -49,8 +49,10 @@ class Engine:
     ``block_size`` tokens, shared by forks and (``prefix_caching``) by trajectories with a common
     token prefix. ``attention_backend`` names the attention kernel (``"torch"`` or ``"triton"``;
     default: ``"triton"`` on CUDA when triton is installed, else ``"torch"``). ``max_adapters``
-    bounds the adapters loaded at once, counting those :meth:`add_adapter` adds later (None: the
-    ones given); split methods reserve LR-cache columns for the spare ones, ``max_lora_rank`` each.
+    bounds the adapters loaded at once, counting those :meth:`add_adapter` adds later, and
+    ``max_lora_rank`` their rank, under every method; split methods reserve LR-cache columns for the
+    spare ones, ``max_lora_rank`` each (default: the largest of 16 and the given ranks). None: no
+    bound, except that a split method then has no spare LR columns (no adapter can be added).
 
     Raises:
         UnknownMethodError: ``method`` does not exist.
@@ -85,6 +87,8 @@ class Engine:
             )
             self.adapters[name] = adapter.to(self.model.dtype, self.model.device)
         spare, self.max_lora_rank = self._spare_slots(max_adapters, max_lora_rank)
+        # what add_adapter enforces under every method (split methods also by their LR columns)
+        self.max_adapters, self.rank_bound = max_adapters, max_lora_rank
         self.method = make_method(
             method,
             self.model,
@@ -123,21 +127,30 @@ class Engine:
         the largest of 16 and the given ranks) at least the new adapter's rank.
 
         Raises:
+            AdapterLimitError: ``max_adapters`` adapters are loaded, or the rank is above ``max_lora_rank``.
             AdapterError: a bad name (empty, taken), a missing or malformed folder, an adapter that
-                does not fit the model or method, or a rank above ``max_lora_rank``.
+                does not fit the model or method.
             CacheCapacityError: no free LR-cache slot.
         """
         if not isinstance(name, str) or not name.strip():
             raise AdapterError(f"adapter names must be non-empty strings, got {name!r}")
-        if name in self.adapters:
-            raise AdapterError(f"adapter '{name}' is loaded already")
         adapter = src if isinstance(src, LoRAAdapter) else load_adapter(Path(src), self.model.config, name)
-        if self.method.splits_kv and adapter.rank > self.max_lora_rank:
-            raise AdapterError(
-                f"adapter '{name}' has rank {adapter.rank}, above max_lora_rank={self.max_lora_rank}"
-            )
+        bound = self.max_lora_rank if self.method.splits_kv else self.rank_bound
+        if bound is not None and adapter.rank > bound:
+            raise AdapterLimitError(f"adapter '{name}' has rank {adapter.rank}, above max_lora_rank={bound}")
         adapter = adapter.to(self.model.dtype, self.model.device)
-        self.scheduler.exclusive(lambda: self.method.add_adapter(name, adapter))
+
+        def add() -> None:  # between two steps: the checks and the change see the same adapters
+            if name in self.adapters:
+                raise AdapterError(f"adapter '{name}' is loaded already")
+            if self.max_adapters is not None and len(self.adapters) >= self.max_adapters:
+                raise AdapterLimitError(
+                    f"cannot load adapter '{name}': {len(self.adapters)} adapters are loaded, "
+                    f"max_adapters={self.max_adapters}"
+                )
+            self.method.add_adapter(name, adapter)
+
+        self.scheduler.exclusive(add)
         logger.info("adapter '%s' added (rank %d)", name, adapter.rank)
         return adapter
 

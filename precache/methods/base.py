@@ -134,10 +134,7 @@ class SharingMethod(ABC):
             raise ValueError(f"kv_cache_bytes must be an integer number of bytes, got {kv_cache_bytes!r}")
         lr_ranks = {}
         if self.splits_kv:
-            lr_ranks = {
-                a: (ad.rank if "k_proj" in ad.targets else 0, ad.rank if "v_proj" in ad.targets else 0)
-                for a, ad in adapters.items()
-            }
+            lr_ranks = {a: self.lr_ranks(ad) for a, ad in adapters.items()}
         if kv_cache_bytes is None:  # a full-context trajectory fits under every method
             itemsize = torch.finfo(model.dtype).bits // 8
             lr_width = sum(map(sum, lr_ranks.values())) + 2 * spare_lr_slots * spare_lr_rank

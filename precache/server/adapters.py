@@ -14,7 +14,13 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
-from precache.errors import AdapterBusyError, AdapterError, CacheCapacityError, UnknownAdapterError
+from precache.errors import (
+    AdapterBusyError,
+    AdapterError,
+    AdapterLimitError,
+    CacheCapacityError,
+    UnknownAdapterError,
+)
 from precache.server.errors import APIError, quote
 
 #: the longest adapter name (it becomes a ``model`` id)
@@ -69,7 +75,10 @@ def load(engine, base_name: str, body: LoadLoRAAdapterRequest) -> str:
         )
     try:
         engine.add_adapter(body.lora_name, body.lora_path)
-    except CacheCapacityError as exc:  # the library names its arguments; a server user has flags
+    except (
+        CacheCapacityError,
+        AdapterLimitError,
+    ) as exc:  # the library names its arguments; the server has flags
         raise APIError(
             400,
             f"cannot load {quote(body.lora_name)}: {exc} (precache serve: --max-loras / --max-lora-rank)",

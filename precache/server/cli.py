@@ -140,6 +140,7 @@ def serve(args: argparse.Namespace) -> int:
     from precache.server.app import create_app
 
     adapters = adapters_from_args(args)
+    max_adapters = max_adapters_from_args(args, len(adapters))  # checked before anything loads
     api_keys = api_keys_from_args(args)
     sock = bind_socket(args.host, args.port)
     model = load_model_from_args(args)
@@ -154,7 +155,7 @@ def serve(args: argparse.Namespace) -> int:
         adapters=adapters,
         method=args.method,
         kv_cache_bytes=args.kv_cache_bytes,
-        max_adapters=max_adapters_from_args(args, len(adapters)),
+        max_adapters=max_adapters,
         max_lora_rank=args.max_lora_rank,
     )
     config = ServerConfig(
@@ -198,7 +199,17 @@ RUNTIME_LORA_SPARE = 4
 
 
 def max_adapters_from_args(args: argparse.Namespace, n_given: int) -> int | None:
-    """``--max-loras``, else room for :data:`RUNTIME_LORA_SPARE` more with ``--enable-runtime-lora``."""
+    """``--max-loras``, else room for :data:`RUNTIME_LORA_SPARE` more with ``--enable-runtime-lora``.
+
+    Raises:
+        AdapterError: ``--max-loras`` or ``--max-lora-rank`` without ``--enable-runtime-lora``
+            (no adapter could be loaded later: the flag would change nothing).
+    """
+    given = [f for f, v in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank)) if v]
+    if given and not args.enable_runtime_lora:
+        raise AdapterError(
+            f"{', '.join(given)}: only with --enable-runtime-lora (adapters loaded at run time)"
+        )
     if args.max_loras is not None:
         return args.max_loras
     return n_given + RUNTIME_LORA_SPARE if args.enable_runtime_lora else None
