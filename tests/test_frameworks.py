@@ -179,15 +179,18 @@ def test_autogen_tool_round_trip_structured_output_and_a_streaming_agent(served)
         "family": "unknown",
     }
 
-    async def run():
-        client = OpenAIChatCompletionClient(
-            model="action",
+    def autogen_client(adapter: str, **options) -> OpenAIChatCompletionClient:
+        return OpenAIChatCompletionClient(
+            model=adapter,
             base_url=server.url,
             api_key="unused",
             model_info=model_info,
             temperature=0,
-            max_tokens=60,
+            **options,
         )
+
+    async def run():
+        client = autogen_client("action", max_tokens=60)
         tool = FunctionTool(weather, description=weather.__doc__)
         messages = [SystemMessage(content=SYSTEM), UserMessage(content=QUESTION, source="user")]
         first = await client.create(messages, tools=[tool], tool_choice="required")
@@ -208,15 +211,7 @@ def test_autogen_tool_round_trip_structured_output_and_a_streaming_agent(served)
             [UserMessage(content="Name a city in France.", source="user")], json_output=City
         )
         City.model_validate_json(city.content)
-        streaming = OpenAIChatCompletionClient(
-            model="reflect",
-            base_url=server.url,
-            api_key="unused",
-            model_info=model_info,
-            temperature=0,
-            max_tokens=30,
-            stream_options={"include_usage": True},
-        )
+        streaming = autogen_client("reflect", max_tokens=30, stream_options={"include_usage": True})
         agent = AssistantAgent(
             "reflect", model_client=streaming, model_client_stream=True, system_message=SYSTEM
         )
