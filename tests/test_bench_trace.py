@@ -186,7 +186,8 @@ def test_cli_bench_trace(tiny, tmp_path, capsys):
     model_dir = tmp_path / "model"
     tiny_hf_model("llama", seed=0, num_layers=3).save_pretrained(model_dir)
     out = tmp_path / "out"
-    argv = ["bench", "trace", "--trace", "smoke", "--model", str(model_dir), "--repeats", "1"]
+    # no --repeats: the smoke trace is a check, one replay per method
+    argv = ["bench", "trace", "--trace", "smoke", "--model", str(model_dir)]
     argv += ["--adapters", str(Path(dirs["plan"]).parent), "--methods", "prelrshared,fullshared"]
     argv += ["--json", str(out / "r.json"), "--markdown", str(out / "r.md"), "--plot", str(out / "r.png")]
     with warnings.catch_warnings():
@@ -198,7 +199,37 @@ def test_cli_bench_trace(tiny, tmp_path, capsys):
     assert hf["median"]["prefill_tokens"] == ns["median"]["prefill_tokens"]
     smoke = load_trace(trace_path("smoke"))
     assert result["trace_tokens"] == smoke.total_tokens and result["config"]["repeats"] == 1
+    assert result["repeats"] == 1 and len(result["methods"]["nonshared"]["runs"]) == 1
+    assert "one replay per method" in capsys.readouterr().out
     assert (out / "r.md").read_text().count("\n| ") == 5  # header + 4 rows
     assert (out / "r.png").read_bytes()[:8] == PNG_MAGIC
     assert main([*argv[:-6], "--adapters", str(tmp_path), "--json", str(out / "x.json")]) == 2
     assert "no PEFT adapter folders" in capsys.readouterr().err
+
+
+def test_cli_bench_trace_measures_three_repeats_by_default(tiny, tmp_path):
+    _, dirs, _ = tiny
+    model_dir = tmp_path / "model"
+    tiny_hf_model("llama", seed=0, num_layers=3).save_pretrained(model_dir)
+    csv = tmp_path / "t.csv"
+    csv.write_text("agent,prefill_len,decode_len\nplan,8,2\naction,4,2\n")
+    argv = ["bench", "trace", "--trace", str(csv), "--model", str(model_dir), "--no-hf-peft"]
+    argv += ["--adapters", str(Path(dirs["plan"]).parent), "--methods", "fullshared"]
+    argv += ["--json", str(tmp_path / "r.json")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        assert main(argv) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["repeats"] == result["config"]["repeats"] == 3
+    assert all(len(entry["runs"]) == 3 for entry in result["methods"].values())
+
+
+def test_warm_up_head_caps_prompt_and_decode():
+    trace = paper_trace(1024)
+    warm = trace.head(3, 32, 2)
+    assert [(t.agent, t.prefill_len, t.decode_len) for t in warm.turns] == [
+        ("plan", 32, 2),
+        ("plan", 8, 2),
+        ("action", 8, 2),
+    ]
+    assert [(t.prefill_len, t.decode_len) for t in trace.head(2, 16).turns] == [(16, 16), (8, 8)]

@@ -32,6 +32,11 @@ from precache.terminal import console
 
 logger = logging.getLogger(__name__)
 
+#: ``bench trace`` replays per method when ``--repeats`` is not given: three for a measurement (the
+#: spread RESULTS.md reports), one for the smoke trace, which checks that every method runs
+DEFAULT_REPEATS = 3
+CHECK_TRACES = {"smoke": 1}
+
 
 def _bench_trace(args: argparse.Namespace) -> int:
     if args.threads:
@@ -56,13 +61,19 @@ def _bench_trace(args: argparse.Namespace) -> int:
         runners[method] = lambda tr, st, engine=engine: replay_engine(engine, tr, st)
     if not args.no_hf_peft:
         hf_model = hf_model_of(model).to(device=model.device, dtype=model.dtype)  # the engine's device
-        runners[METHOD_NAME] = HFPeftAgents(hf_model, adapters).replay
-    result = run_suite(runners, trace, stream, repeats=args.repeats)
+        runners[METHOD_NAME] = HFPeftAgents(hf_model, adapters, take=True).replay
+    repeats = args.repeats = args.repeats or CHECK_TRACES.get(args.trace, DEFAULT_REPEATS)
+    result = run_suite(runners, trace, stream, repeats=repeats)
     result["config"] = {k: v for k, v in vars(args).items() if k != "func"}
     report.write_json(result, args.json)
     out = console()
     out.print(report.trace_table(result))
     out.print(result["latency_note"], style="dim")
+    if repeats == 1:
+        out.print(
+            "one replay per method: a check that each runs, not a measurement (--repeats 3 for figures)",
+            style="dim",
+        )
     if args.markdown:
         Path(args.markdown).write_text(report.trace_markdown(result), encoding="utf-8")
     if args.plot:
@@ -118,7 +129,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="a shipped trace (paper_L1024, smoke, ...) or a CSV agent,prefill_len,decode_len",
     )
     trace.add_argument(
-        "--repeats", type=positive_int, default=3, help="timed replays per method (median reported)"
+        "--repeats",
+        type=positive_int,
+        default=None,
+        help=f"timed replays per method, median reported (default {DEFAULT_REPEATS}; 1 for the smoke trace)",
     )
     trace.add_argument("--seed", type=int, default=0, help="seed of the appended random token stream")
     trace.add_argument("--plot", help="PNG: TTFT per turn and KV bytes over the trajectory")

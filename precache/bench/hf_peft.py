@@ -38,7 +38,8 @@ def _cache_bytes(cache) -> int:
 class HFPeftAgents:
     """Agents as PEFT adapters on an HF causal LM, one ``DynamicCache`` per agent.
 
-    ``hf_model``: an HF ``*ForCausalLM`` (copied, so the caller's model is never wrapped);
+    ``hf_model``: an HF ``*ForCausalLM``, copied so the caller's model is never wrapped, unless
+    ``take=True`` (a model built for this baseline alone: PEFT wraps it in place, saving the copy);
     ``adapters``: PEFT adapter folders by agent name.
 
     Raises:
@@ -46,13 +47,13 @@ class HFPeftAgents:
         not fit the model.
     """
 
-    def __init__(self, hf_model, adapters: dict[str, str | os.PathLike]):
+    def __init__(self, hf_model, adapters: dict[str, str | os.PathLike], take: bool = False):
         from peft import PeftModel  # heavy, and only this baseline needs it
 
         if not adapters:
             raise TraceError("the hf-peft baseline needs at least one adapter")
         names = list(adapters)
-        base = copy.deepcopy(hf_model).eval()
+        base = (hf_model if take else copy.deepcopy(hf_model)).eval()
         self.model = PeftModel.from_pretrained(base, str(Path(adapters[names[0]])), adapter_name=names[0])
         for name in names[1:]:
             self.model.load_adapter(str(Path(adapters[name])), adapter_name=name)

@@ -1,6 +1,8 @@
 """The trace benchmark: every method (and the HF + PEFT baseline) on one trace, in one process.
 
-All replays use the same appended token stream. A short warm-up replay per runner comes first;
+All replays use the same appended token stream. A short warm-up replay per runner comes first
+(the first turns, each at most 32 prompt and 2 decode tokens: every code path once, so the first
+timed replay pays no first-call cost);
 then ``repeats`` rounds, each running every runner once (interleaved, so a slow spell on the
 machine hits all methods alike). Per runner the result is the median of each metric over the
 rounds, and its ratio to NonShared's median.
@@ -25,7 +27,7 @@ from precache.bench.trace import Trace
 logger = logging.getLogger(__name__)
 
 REFERENCE = "nonshared"
-WARMUP_TURNS, WARMUP_LEN = 3, 32
+WARMUP_TURNS, WARMUP_LEN, WARMUP_DECODE = 3, 32, 2
 LATENCY_NOTE = (
     "latency_s = sum over turns of (TTFT + decode) + ReBaseShared LP's post-turn neutral pass "
     "(on the single stream between turns, not on any TTFT); DB's neutral row runs inside each "
@@ -95,7 +97,7 @@ def run_suite(runners: dict[str, Runner], trace: Trace, stream: list[list[int]],
     """
     if repeats < 1 or not runners:
         raise ValueError(f"need repeats >= 1 and at least one runner (got {repeats}, {list(runners)})")
-    warm = trace.head(WARMUP_TURNS, WARMUP_LEN)
+    warm = trace.head(WARMUP_TURNS, WARMUP_LEN, WARMUP_DECODE)
     warm_stream = [ids[:WARMUP_LEN] for ids in stream[:WARMUP_TURNS]]
     replays: dict[str, list[Replay]] = {name: [] for name in runners}
     err = Console(stderr=True)  # the bar on a terminal only, never in piped results

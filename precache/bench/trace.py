@@ -51,10 +51,12 @@ class Trace:
         """Agent names in order of first appearance."""
         return list(dict.fromkeys(t.agent for t in self.turns))
 
-    def head(self, n_turns: int, max_len: int) -> Trace:
-        """The first ``n_turns`` turns with both lengths capped at ``max_len`` (a warm-up replay)."""
+    def head(self, n_turns: int, max_len: int, max_decode: int | None = None) -> Trace:
+        """The first ``n_turns`` turns with both lengths capped at ``max_len`` and the decode length
+        also at ``max_decode`` when given (a warm-up replay)."""
+        decode_cap = max_len if max_decode is None else min(max_len, max_decode)
         turns = tuple(
-            TraceTurn(t.agent, min(t.prefill_len, max_len), min(t.decode_len, max_len))
+            TraceTurn(t.agent, min(t.prefill_len, max_len), min(t.decode_len, decode_cap))
             for t in self.turns[:n_turns]
         )
         return Trace(f"{self.name}-head", turns)

@@ -15,13 +15,20 @@ import functools
 import json
 import weakref
 
+import importlib
+
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from precache.config import StructuredOutput
 from precache.errors import StructuredOutputError
+
+def _ll_torch():
+    """``llguidance.torch``, imported on first use: it wraps a kernel in ``torch.compile``, whose
+    import (torch._dynamo and inductor) costs every command about 1.3 s at start-up."""
+    return importlib.import_module("llguidance.torch")
+
 
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: JSON is written without free whitespace (``", "`` and ``": "`` between items; vLLM's
@@ -87,13 +94,14 @@ class GrammarMatcher:
         self.matcher = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
         if self.matcher.is_error():
             raise StructuredOutputError(f"structured_output {spec.kind}: {self.matcher.get_error()}")
-        self.bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
+        self.bitmask = _ll_torch().allocate_token_bitmask(1, vocab_size)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` ``[vocab]`` (fp32) with the tokens the constraint forbids now at -inf (a copy)."""
-        llguidance.torch.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+        ll_torch = _ll_torch()
+        ll_torch.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
         out = logits.detach().to("cpu", torch.float32, copy=True).unsqueeze(0)
-        llguidance.torch.apply_token_bitmask_inplace(out, self.bitmask)
+        ll_torch.apply_token_bitmask_inplace(out, self.bitmask)
         return out[0].to(logits.device)
 
     def accept(self, token_id: int) -> None:
