@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.precache-installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test lint demo bench llama-cpp clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -36,6 +36,12 @@ bench: $(STAMP)
 	  --adapters qv --methods $(METHODS) --repeats 3 --threads 2 \
 	  --json benchmarks/results/trace_L1024_qv.json --markdown benchmarks/results/trace_L1024_qv.md \
 	  --plot benchmarks/results/trace_L1024_qv.png
+
+# optional: llama.cpp's llama-server for `bench trace --baselines llama-cpp` (about 5 minutes on
+# 2 cores; `make test` never needs it)
+llama-cpp: $(STAMP)
+	$(PY) -m pip install -q -e ".[llama-cpp]"
+	PYTHON=$(PY) benchmarks/llama_cpp/install.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

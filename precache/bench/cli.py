@@ -20,6 +20,8 @@ from precache.bench.decode import add_bench_decode
 from precache.bench.episode_ttft import add_bench_episodes
 from precache.bench.episodes import run_fidelity
 from precache.bench.hf_peft import METHOD_NAME, HFPeftAgents
+from precache.bench.llama_cpp import CONFIGS as LLAMA_CPP_CONFIGS
+from precache.bench.llama_cpp import llama_cpp_runners, parse_baselines
 from precache.bench.replay import replay_engine
 from precache.bench.serve import add_bench_serve
 from precache.bench.study import add_study
@@ -59,11 +61,17 @@ def _bench_trace(args: argparse.Namespace) -> int:
         # every repeat replays the same stream: no trajectory may reuse another's blocks
         engine = precache.Engine(model, adapters=adapters, method=method, prefix_caching=False)
         runners[method] = lambda tr, st, engine=engine: replay_engine(engine, tr, st)
-    if not args.no_hf_peft:
+    baselines = [b for b in parse_baselines(args.baselines) if not (args.no_hf_peft and b == METHOD_NAME)]
+    if METHOD_NAME in baselines:
         hf_model = hf_model_of(model).to(device=model.device, dtype=model.dtype)  # the engine's device
         runners[METHOD_NAME] = HFPeftAgents(hf_model, adapters, take=True).replay
     repeats = args.repeats = args.repeats or CHECK_TRACES.get(args.trace, DEFAULT_REPEATS)
-    result = run_suite(runners, trace, stream, repeats=repeats)
+    llama_configs = [b for b in baselines if b in LLAMA_CPP_CONFIGS]
+    with llama_cpp_runners(
+        llama_configs, model.path, adapters, model.config, trace, torch.get_num_threads()
+    ) as llama_runners:
+        runners.update(llama_runners)
+        result = run_suite(runners, trace, stream, repeats=repeats)
     result["config"] = {k: v for k, v in vars(args).items() if k != "func"}
     report.write_json(result, args.json)
     out = console()
@@ -136,7 +144,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     trace.add_argument("--seed", type=int, default=0, help="seed of the appended random token stream")
     trace.add_argument("--plot", help="PNG: TTFT per turn and KV bytes over the trajectory")
-    trace.add_argument("--no-hf-peft", action="store_true", help="skip the HF transformers + PEFT baseline")
+    trace.add_argument(
+        "--baselines",
+        default=METHOD_NAME,
+        help="comma-separated: hf-peft (HF transformers + PEFT), llama-cpp (llama-server at f32 and "
+        "q8_0, one slot per agent and one slot; needs `make llama-cpp`) or one llama-cpp-* "
+        "configuration (default: hf-peft)",
+    )
+    trace.add_argument("--no-hf-peft", action="store_true", help="leave hf-peft out of --baselines")
     trace.add_argument(
         "--max-context",
         type=int,

@@ -12,10 +12,9 @@ requests share every forward.
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import weakref
-
-import importlib
 
 import llguidance
 import llguidance.hf
@@ -23,6 +22,7 @@ import torch
 
 from precache.config import StructuredOutput
 from precache.errors import StructuredOutputError
+
 
 def _ll_torch():
     """``llguidance.torch``, imported on first use: it wraps a kernel in ``torch.compile``, whose
