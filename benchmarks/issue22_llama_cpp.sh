@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Issue 22's comparison with llama.cpp (needs `make llama-cpp`), on a quiet machine, 2 threads:
+# every side of each table in one `bench trace` run, 3 repeats (min / median / max in RESULTS.md).
+set -euo pipefail
+P="${PRECACHE:-.venv/bin/precache}"
+OUT="${OUT:-benchmarks/results}"
+M=nonshared,fullshared,prelrshared
+for trace in paper_L1024 short_turns; do
+  "$P" bench trace --trace "$trace" --adapters qv --methods $M --baselines hf-peft,llama-cpp \
+    --repeats 3 --threads 2 --json "$OUT/llama_cpp_${trace}_fp32.json"
+done
+"$P" bench trace --trace paper_L1024 --adapters qv --methods $M --dtype bfloat16 \
+  --baselines llama-cpp-q8_0,llama-cpp-q8_0-1slot --repeats 3 --threads 2 \
+  --json "$OUT/llama_cpp_paper_L1024_bf16.json"

@@ -1,0 +1,82 @@
+"""Tables of `benchmarks/issue22_llama_cpp.sh`'s runs: per method and baseline, min / median / max
+over the repeats of sum TTFT, latency and decode tokens/s, and the issue's ratios per repeat.
+
+    python benchmarks/issue22_report.py benchmarks/results/llama_cpp_paper_L1024_fp32.json ...
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+
+def spread(values, fmt="{:.2f}"):
+    xs = sorted(values)
+    return " / ".join(fmt.format(x) for x in (xs[0], statistics.median(xs), xs[-1]))
+
+
+def report(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        d = json.load(f)
+    cfg = d.get("config", {})
+    out = [
+        f"`{path}`: trace {d['trace']}, dtype {cfg.get('dtype') or 'float32'}, {d['repeats']} repeats "
+        f"(min / median / max)",
+        "",
+        "| method | sum TTFT (s) | sum latency (s) | decode (tok/s) | prefill tokens | peak KV (MiB) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, entry in d["methods"].items():
+        runs = entry["runs"]
+        out.append(
+            f"| {name} | {spread([r['ttft_s'] for r in runs])} | {spread([r['latency_s'] for r in runs])} | "
+            f"{spread([r['decode_tok_s'] for r in runs], '{:.1f}')} | {int(runs[0]['prefill_tokens']):,} | "
+            f"{runs[0]['peak_kv_bytes'] / 2**20:.1f} |"
+        )
+    m = d["methods"]
+    if {"prelrshared", "fullshared", "nonshared"} <= set(m):
+        pre, full, non = (m[k]["runs"] for k in ("prelrshared", "fullshared", "nonshared"))
+        rows = [
+            (
+                "PreLRShared / FullShared decode tok/s",
+                [p["decode_tok_s"] / f["decode_tok_s"] for p, f in zip(pre, full, strict=True)],
+            ),
+            (
+                "PreLRShared / FullShared sum TTFT",
+                [p["ttft_s"] / f["ttft_s"] for p, f in zip(pre, full, strict=True)],
+            ),
+            (
+                "NonShared / PreLRShared sum TTFT (speed-up)",
+                [n["ttft_s"] / p["ttft_s"] for n, p in zip(non, pre, strict=True)],
+            ),
+        ]
+        for base in ("llama-cpp-f32", "llama-cpp-q8_0"):
+            if base in m:
+                rows.append(
+                    (
+                        f"{base} / PreLRShared sum latency",
+                        [b["latency_s"] / p["latency_s"] for b, p in zip(m[base]["runs"], pre, strict=True)],
+                    )
+                )
+                rows.append(
+                    (
+                        f"PreLRShared / {base} decode tok/s",
+                        [
+                            p["decode_tok_s"] / b["decode_tok_s"]
+                            for b, p in zip(m[base]["runs"], pre, strict=True)
+                        ],
+                    )
+                )
+        out += [
+            "",
+            "| ratio, per repeat (same round) | repeat 1 | repeat 2 | repeat 3 |",
+            "|---|---|---|---|",
+        ]
+        for label, values in rows:
+            out.append(f"| {label} | " + " | ".join(f"{v:.2f}" for v in values) + " |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print("\n\n".join(report(p) for p in sys.argv[1:]))
