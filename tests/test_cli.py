@@ -255,6 +255,14 @@ def test_version_prints_the_package_version(capsys):
     assert capsys.readouterr().out.strip() == f"precache {precache.__version__}"
 
 
+def test_python_dash_m_precache_is_the_command():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "precache", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == f"precache {precache.__version__}"
+
+
 def test_one_v_keeps_transformers_config_dumps_quiet():
     import logging
 
