@@ -31,6 +31,9 @@ def test_missing_llama_cpp_names_the_make_target(tmp_path, monkeypatch):
     monkeypatch.setenv("PRECACHE_LLAMA_CPP", str(tmp_path))
     with pytest.raises(LlamaCppMissingError, match=r"make llama-cpp.*PRECACHE_LLAMA_CPP"):
         find_llama_cpp()
+    # no llama.cpp configuration asked for: nothing is looked up
+    with llama_cpp_runners([], tmp_path, {}, None, None, 2) as runners:
+        assert runners == {}
 
 
 def test_bench_trace_refuses_llama_cpp_when_not_built(tiny, tmp_path, monkeypatch, capsys):

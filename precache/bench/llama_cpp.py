@@ -434,6 +434,9 @@ def llama_cpp_runners(
         LlamaCppMissingError: llama.cpp is not built.
         PrecacheError: a conversion or a server start failed.
     """
+    if not configs:  # nothing asked of llama.cpp: it need not be built
+        yield {}
+        return
     tree = find_llama_cpp()
     agents = list(adapters)
     loras = [gguf_adapter(tree, adapters[a], checkpoint) for a in agents]
