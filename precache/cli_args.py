@@ -24,6 +24,21 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """An ``argparse`` ``type``: a finite number > 0 (seconds, say).
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, not finite, or not above 0.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
 #: ``--dtype``: the weights' and the compute dtype (the KV caches follow the compute dtype)
 DTYPES = ("float32", "bfloat16")
 

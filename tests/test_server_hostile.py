@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 
 import httpx
 import pytest
@@ -327,6 +328,7 @@ def test_serve_refuses_bad_adapters_and_keys_with_one_line(tiny, tmp_path, capsy
         ),
         (["--api-keys", str(tmp_path / "missing.txt")], "--api-keys"),
         (["--replicas", "2", "--api-key", "k"], "--api-key: not supported with --replicas"),
+        (["--replicas", "2", "--header-timeout", "3"], "--header-timeout: not supported with --replicas"),
     ]
     hf_dir = tmp_path / "hf"
     _save_tiny_checkpoint(tiny, hf_dir)
@@ -345,34 +347,54 @@ def _save_tiny_checkpoint(tiny, folder):
     char_tokenizer().save_pretrained(folder)
 
 
-def test_shutdown_drains_for_the_timeout_then_cancels_running_streams(tiny):
-    """A stream far longer than the drain timeout: stopping the server ends it early, the server
-    thread exits and the scheduler stops (no request keeps the process alive)."""
+def test_drain_tells_every_client_then_stops(tiny):
+    """Stopping the server drains: /health says so, a new request gets 503, the running ones get
+    the drain time; then each open stream gets an error event and [DONE], each waiting response
+    a 503, and the server thread and its loop exit (no request keeps the process alive)."""
     from precache.server import LiveServer, ServerConfig, create_app
 
     engine = tiny_engine(tiny, "prelrshared")
     step = engine.step
     engine.step = lambda: (threading.Event().wait(0.02), step())[1]  # about 5 s for the 240 tokens
     app = create_app(engine, ServerConfig(model_name=BASE))
-    server = LiveServer(app, shutdown_timeout_s=0.3).start()
-    body = {**OK, "prompt": [3, 4, 5], "max_tokens": 240, "ignore_eos": True, "stream": True}
-    chunks, first = [], threading.Event()
+    server = LiveServer(app, shutdown_timeout_s=0.5).start()
+    body = {**OK, "prompt": [3, 4, 5], "max_tokens": 240, "ignore_eos": True}
+    streams: list[list[str]] = [[], []]
+    answers: list[httpx.Response] = []
+    started = threading.Barrier(3)
 
-    def read():
-        try:
-            with httpx.stream("POST", server.url + "/completions", json=body, timeout=60) as r:
-                for line in r.iter_lines():
-                    chunks.append(line)
-                    first.set()
-        except httpx.HTTPError:
-            pass  # the connection closed under the stream
-        first.set()
+    def read(lines, prompt):  # distinct prompts: three sessions, batched together
+        stream = {**body, "prompt": prompt, "stream": True}
+        with httpx.stream("POST", server.url + "/completions", json=stream, timeout=60) as r:
+            for i, line in enumerate(r.iter_lines()):
+                lines.append(line)
+                if i == 0:
+                    started.wait(60)
 
-    reader = threading.Thread(target=read)
-    reader.start()
-    assert first.wait(60)
+    def wait_whole():
+        answers.append(httpx.post(server.url + "/completions", json={**body, "prompt": [9, 10]}, timeout=60))
+
+    readers = [threading.Thread(target=read, args=(lines, [3 + i, 4])) for i, lines in enumerate(streams)]
+    for t in readers:
+        t.start()
+    started.wait(60)
+    whole = threading.Thread(target=wait_whole)
+    whole.start()
+    time.sleep(0.2)
+    server.begin_drain()
+    health = httpx.get(server.url.removesuffix("/v1") + "/health", timeout=10)
+    assert health.status_code == 503 and health.json()["status"] == "draining"
+    late = httpx.post(server.url + "/completions", json={**body, "prompt": [11, 12]}, timeout=10)
+    assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
+    for t in [*readers, whole]:
+        t.join(60)
+    for lines in streams:
+        data = [line for line in lines if line.startswith("data: ")]
+        tokens = sum(1 for d in data if '"choices"' in d)
+        assert 0 < tokens < 240
+        error = json.loads(data[-2].removeprefix("data: "))["error"]
+        assert error["code"] == "unavailable" and "drain time" in error["message"]
+        assert data[-1] == "data: [DONE]"
+    assert answers[0].status_code == 503 and "drain time" in answers[0].json()["error"]["message"]
     server.stop()
-    reader.join(60)
     assert not server._thread.is_alive() and not app.state.loop.alive
-    tokens = sum(1 for c in chunks if c.startswith("data: {"))
-    assert 0 < tokens < 240 and "data: [DONE]" not in chunks

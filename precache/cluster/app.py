@@ -227,6 +227,9 @@ def serve_from_args(args) -> int:
         max_running=args.max_num_seqs,
         max_step_tokens=args.max_num_batched_tokens,
         tool_call_parser=args.tool_call_parser,
+        stream_buffer_events=args.stream_buffer_events,
+        stream_stall_timeout_s=args.stream_stall_timeout,
+        max_requests_in_flight=args.max_requests_in_flight,
     )
     tokenizer = (
         AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None

@@ -15,6 +15,13 @@ from precache.cluster import cluster_requested
 from precache.errors import PrecacheError
 from precache.server.config import DEFAULT_MAX_REQUEST_BYTES
 
+#: ``serve``'s connection limits and their defaults (:class:`~precache.server.connections.ConnectionLimits`)
+CONNECTION_FLAGS = (
+    ("--max-connections", "max_connections", 1024),
+    ("--header-timeout", "header_timeout", 10.0),
+    ("--body-timeout", "body_timeout", 30.0),
+)
+
 
 def refuse_single_process_flags(args: argparse.Namespace) -> None:
     """The flags the Ray Serve ingress does not apply yet (security, adapters at run time): refused,
@@ -36,6 +43,8 @@ def refuse_single_process_flags(args: argparse.Namespace) -> None:
                 "--max-request-bytes",
                 getattr(args, "max_request_bytes", None) not in (None, DEFAULT_MAX_REQUEST_BYTES),
             ),
+            # connections end at Ray Serve's HTTP proxy, which precache's limits do not reach
+            *((flag, getattr(args, attr, default) != default) for flag, attr, default in CONNECTION_FLAGS),
         )
         if on
     ]

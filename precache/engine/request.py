@@ -70,6 +70,9 @@ class Request:
     ``arrival``: ``perf_counter`` seconds (with ``id``, the request's age: older goes first, and a
     younger request never preempts an older one). Turn times (seconds, ``perf_counter``):
     ``t_open``, ``t_first`` (first token), ``t_end`` (turn closed), ``t_done`` (post-turn pass run).
+    ``held``: whoever reads ``chunks`` asked the request to wait (a server stream whose client
+    stopped reading): while held, a running request takes no rows and keeps its blocks (a younger
+    one may still be preempted for room, as any); set and cleared from any thread, read per step.
     """
 
     session: Session
@@ -87,6 +90,7 @@ class Request:
     result: Turn | None = field(default=None, repr=False)
     error: BaseException | None = None
     cancel_requested: bool = False
+    held: bool = False
     preemptions: int = 0
 
     # -- state ---------------------------------------------------------------------------------

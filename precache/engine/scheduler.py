@@ -218,11 +218,12 @@ class Scheduler:
                 r.finish("cancelled")
 
     def _schedule_running(self, batch: Batch, room: _Room) -> None:
-        """Every running request's rows, oldest first, making room by preempting younger ones."""
+        """Every running request's rows, oldest first, making room by preempting younger ones; a
+        held request (``Request.held``) sits this step out."""
         for r in list(self.running):
             # not preempted earlier in this loop, nor closed (a cancelled turn with no post-turn
-            # pass is DONE: it retires this step and runs no more rows)
-            if r.state is RequestState.RUNNING and r.phase is not Phase.DONE:
+            # pass is DONE: it retires this step and runs no more rows), nor held
+            if r.state is RequestState.RUNNING and r.phase is not Phase.DONE and not r.held:
                 self._take_rows(r, batch, room, make_room=True)
 
     def _take_rows(self, r: Request, batch: Batch, room: _Room, make_room: bool) -> bool:
@@ -313,7 +314,7 @@ class Scheduler:
             self._fail(r, exc, batch)
             return True
         bisect.insort(self.running, r, key=lambda q: q.priority)
-        return self._take_rows(r, batch, room, make_room=False)
+        return r.held or self._take_rows(r, batch, room, make_room=False)
 
     # -- running and postprocessing --------------------------------------------------------------
     def _run(self, batch: Batch) -> None:

@@ -78,6 +78,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
 
     app = FastAPI(title="precache", lifespan=lifespan)
     app.state.loop, app.state.engine, app.state.config = scheduler, engine, config
+    app.state.metrics = metrics
     install_error_handlers(app)
     app.add_middleware(
         Guard, tenants=Tenants(config.api_keys), max_body_bytes=config.max_request_bytes, metrics=metrics
@@ -92,6 +93,11 @@ def _add_routes(app: FastAPI, api: _Api, metrics: ServerMetrics) -> None:
 
     @app.get("/health")
     async def health():
+        if scheduler.draining:
+            return JSONResponse(
+                {"status": "draining", **error_body(503, "the server is shutting down", None, "draining")},
+                status_code=503,
+            )
         if not scheduler.alive:
             return JSONResponse(error_body(503, "the server loop is not running"), status_code=503)
         return {"status": "ok", "method": engine.method_name}
@@ -237,7 +243,24 @@ class _Api:
         return group, renderer
 
     async def generate(self, request: Request, body, job: JobGroup, renderer: Renderer):
-        """Queue the request's jobs on the server loop and answer: a stream, or the whole response."""
+        """Queue the request's jobs on the server loop and answer: a stream, or the whole response.
+
+        Raises:
+            APIError: 503 while the server drains (``draining``) or with
+            ``max_requests_in_flight`` generation requests admitted already (``server_busy``).
+        """
+        if self.scheduler.draining:
+            self.metrics.refused.labels("draining").inc()
+            raise APIError(503, "the server is shutting down", code="draining")
+        in_flight = self.scheduler.in_flight
+        if in_flight + len(job.jobs) > self.config.max_requests_in_flight:
+            self.metrics.refused.labels("max_requests_in_flight").inc()
+            raise APIError(
+                503,
+                f"{in_flight} requests are in flight, the limit is {self.config.max_requests_in_flight} "
+                "(--max-requests-in-flight): retry later",
+                code="server_busy",
+            )
         job.bind(asyncio.get_running_loop())
         setattr(request.state, ACCESS_STATE_KEY, job)  # its access-log line
         for one in job.jobs:

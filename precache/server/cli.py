@@ -14,7 +14,7 @@ import socket
 from pathlib import Path
 
 import precache
-from precache.cli_args import add_dtype_argument, dtype_of, positive_int
+from precache.cli_args import add_dtype_argument, dtype_of, positive_float, positive_int
 from precache.errors import AdapterError, PrecacheError
 from precache.methods import METHOD_REGISTRY
 from precache.resources import adapter_set
@@ -135,9 +135,9 @@ def served_model_name(args: argparse.Namespace, model) -> str:
 def serve(args: argparse.Namespace) -> int:
     """``precache serve`` in this process: bind, load the model, run uvicorn until interrupted."""
     # the web stack: loaded only when a server runs (the CLI's parser and the core do not need it)
-    import uvicorn
-
     from precache.server.app import create_app
+    from precache.server.connections import ConnectionLimits
+    from precache.server.live import DrainingServer
 
     adapters = adapters_from_args(args)
     max_adapters = max_adapters_from_args(args, len(adapters))  # checked before anything loads
@@ -167,29 +167,21 @@ def serve(args: argparse.Namespace) -> int:
         trust_client_special_tokens=args.trust_client_special_tokens,
         tool_call_parser=args.tool_call_parser,
         runtime_lora=args.enable_runtime_lora,
+        stream_buffer_events=args.stream_buffer_events,
+        stream_stall_timeout_s=args.stream_stall_timeout,
+        max_requests_in_flight=args.max_requests_in_flight,
     )
     banner = (
         f"serving {config.model_name} ({engine.method_name}, adapters: {', '.join(adapters) or 'none'}) "
         f"on http://{args.host}:{args.port}/v1"
     )
 
-    class Server(uvicorn.Server):
-        async def startup(self, sockets=None) -> None:
-            await super().startup(sockets=sockets)
-            if not self.should_exit:
-                logger.info(banner)
-
     # uvicorn's own INFO lines (startup, access log) with -v only
     log_level = "info" if getattr(args, "verbose", 0) else "warning"
     app = create_app(engine, config)
-    Server(
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=log_level,
-            timeout_graceful_shutdown=args.shutdown_timeout,
-        )
+    limits = ConnectionLimits(args.max_connections, args.header_timeout, args.body_timeout)
+    DrainingServer(
+        app, args.host, args.port, args.shutdown_timeout, limits, log_level=log_level, banner=banner
     ).run(sockets=[sock])
     return 0
 
@@ -282,7 +274,41 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--shutdown-timeout",
         type=float,
         default=30.0,
-        help="seconds SIGTERM waits for running requests before cancelling them (default 30)",
+        help="seconds SIGTERM drains for (/health says draining, new requests get 503, running ones "
+        "finish); then open streams get an error event and [DONE], waiting responses a 503 (default 30)",
+    )
+    p.add_argument(
+        "--max-connections", type=positive_int, default=1024, help="open connections at once (more: 503)"
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=positive_float,
+        default=10.0,
+        help="seconds a connection may take to send a request's headers (then 408, closed; default 10)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=positive_float,
+        default=30.0,
+        help="seconds a request may take to send its body after its headers (default 30)",
+    )
+    p.add_argument(
+        "--max-requests-in-flight",
+        type=positive_int,
+        default=512,
+        help="generation requests admitted at once, waiting or running (more: 503 server_busy)",
+    )
+    p.add_argument(
+        "--stream-buffer-events",
+        type=positive_int,
+        default=256,
+        help="tokens a request may have waiting for a slow reader before it is held out of the batch",
+    )
+    p.add_argument(
+        "--stream-stall-timeout",
+        type=positive_float,
+        default=30.0,
+        help="seconds a request stays held for a reader that stopped reading before it is cancelled",
     )
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill tokens per forward")
     p.add_argument(

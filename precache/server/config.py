@@ -31,6 +31,13 @@ class ServerConfig:
 
     ``tool_call_parser``: the format of tool calls in the model's answers
     (:data:`~precache.server.tools.TOOL_PARSERS`: ``hermes``, ``llama3_json``, ``mistral``).
+
+    Slow and stalled clients (README.md, "Security"): ``stream_buffer_events``: events (tokens,
+    turns) a request may have waiting for its client; past it the request is held out of the
+    batch (its blocks kept) until the client reads half of them. ``stream_stall_timeout_s``: a
+    request held this long is cancelled (everything freed; 408 ``stream_stalled`` to the client
+    if it ever reads again). ``max_requests_in_flight``: generation requests admitted at once
+    (waiting and running); more get 503 ``server_busy``.
     """
 
     model_name: str = "base"
@@ -42,6 +49,9 @@ class ServerConfig:
     trust_client_special_tokens: bool = False
     tool_call_parser: str = "hermes"
     runtime_lora: bool = False
+    stream_buffer_events: int = 256
+    stream_stall_timeout_s: float = 30.0
+    max_requests_in_flight: int = 512
 
     def __post_init__(self):
         if self.max_running < 1 or self.max_step_tokens < 1 or self.min_fork_tokens < 0:
@@ -50,3 +60,12 @@ class ServerConfig:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSER_NAMES)}")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if (
+            self.stream_buffer_events < 2
+            or self.stream_stall_timeout_s <= 0
+            or self.max_requests_in_flight < 1
+        ):
+            raise ValueError(
+                "stream_buffer_events must be >= 2, stream_stall_timeout_s > 0 and max_requests_in_flight "
+                f">= 1, got {self.stream_buffer_events}, {self.stream_stall_timeout_s}, {self.max_requests_in_flight}"
+            )

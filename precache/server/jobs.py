@@ -41,6 +41,23 @@ class ErrorEvent:
 Event = StreamChunk | Turn | ErrorEvent
 
 
+@dataclass
+class Flow:
+    """The events of one HTTP request between the server loop and its handler: ``emitted`` by the
+    loop (its thread), ``taken`` by the handler (the event loop); their difference is what waits
+    in memory for a client that reads slowly (the server loop holds the request when it passes
+    ``ServerConfig.stream_buffer_events``). ``held_since``: ``time.monotonic()`` when the loop held
+    it (None: running)."""
+
+    emitted: int = 0
+    taken: int = 0
+    held_since: float | None = None
+
+    @property
+    def backlog(self) -> int:
+        return self.emitted - self.taken
+
+
 def finish_reason(turn: Turn) -> str:
     """The OpenAI ``finish_reason`` of a turn: ``"length"``, else ``"stop"`` (EOS, a stop string or
     a stop token id)."""
@@ -76,16 +93,20 @@ class Job:
     arrival: float = field(default_factory=time.perf_counter)
     loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
     queue: asyncio.Queue | None = field(default=None, repr=False)
+    flow: Flow = field(default_factory=Flow, repr=False)
 
     @property
     def n(self) -> int:
         """Choices asked for."""
         return self.params.n
 
-    def bind(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue | None = None) -> Job:
-        """Deliver events to ``loop`` (call on that loop before submitting), into ``queue`` when the
-        job is one prompt of several (:class:`JobGroup`)."""
+    def bind(
+        self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue | None = None, flow: Flow | None = None
+    ) -> Job:
+        """Deliver events to ``loop`` (call on that loop before submitting), into ``queue`` and
+        counted in ``flow`` when the job is one prompt of several (:class:`JobGroup`)."""
         self.loop, self.queue = loop, queue or asyncio.Queue()
+        self.flow = flow or self.flow
         return self
 
     def emit(self, event: Event) -> None:
@@ -97,6 +118,7 @@ class Job:
             event = dataclasses.replace(event, index=event.index + self.base)
         with contextlib.suppress(RuntimeError):  # the loop closed: the server is shutting down
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+            self.flow.emitted += 1
 
 
 @dataclass
@@ -119,18 +141,19 @@ class JobGroup:
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> JobGroup:
         queue: asyncio.Queue = asyncio.Queue()
-        base = 0
+        flow, base = Flow(), 0
         for job in self.jobs:
             job.base = base
-            job.bind(loop, queue)
+            job.bind(loop, queue, flow)
             base += job.n
         return self
 
     async def events(self) -> AsyncIterator[Event]:
         """Every job's events until the last choice's :class:`Turn` or an :class:`ErrorEvent`."""
-        queue, left = self.jobs[0].queue, self.n
+        queue, flow, left = self.jobs[0].queue, self.jobs[0].flow, self.n
         while left:
             event = await queue.get()
+            flow.taken += 1
             yield event
             if isinstance(event, ErrorEvent):
                 return

@@ -65,6 +65,10 @@ class ServerLoop:
         self._jobs: list[Job] = []  # with an engine request, until it and its choices are over
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        #: set when the server starts draining (``/health`` says so, new requests get 503)
+        self.draining = False
+        # jobs submitted (by the handlers' thread) and ended (by the loop's): one writer each
+        self._submitted = self._ended = 0
 
     # -- the handlers' side (any thread) -----------------------------------------------------
     @property
@@ -82,6 +86,11 @@ class ServerLoop:
         if self._thread is not None:
             self._thread.join(timeout_s)
 
+    @property
+    def in_flight(self) -> int:
+        """Jobs submitted and not yet over (queued, waiting for their session, or in the engine)."""
+        return self._submitted - self._ended
+
     def load(self) -> tuple[int, int]:
         """``(active, pending)`` jobs: with an engine request (post-turn passes included), or waiting
         for their session (exact when called through :meth:`call`)."""
@@ -91,11 +100,17 @@ class ServerLoop:
         """Queue ``job`` (bound to an event loop). Raises APIError 503 when the loop is down."""
         if not self.alive:
             raise APIError(503, "the server loop is not running", code="unavailable")
+        self._submitted += 1
         self._inbox.put(("submit", job))
 
     def cancel(self, job_id: int) -> None:
         """Drop a job (client gone): its turn and choices close at the next step."""
         self._inbox.put(("cancel", job_id))
+
+    def fail_all(self, status: int, message: str, code: str) -> None:
+        """End every job with an :class:`ErrorEvent` (the drain time ran out): a stream sends it and
+        ``[DONE]``, a waiting response becomes that error; their requests are cancelled."""
+        self._inbox.put(("fail_all", (status, message, code)))
 
     def call(self, fn: Callable[[SessionPool], object]) -> Future:
         """Run ``fn(pool)`` on the loop thread between two steps; its result lands in the future."""
@@ -125,12 +140,17 @@ class ServerLoop:
         while not self._stopping.is_set():
             try:
                 self._admit()
+                self._flow_control()
+                ran = False
                 if self.engine.scheduler.has_work:
                     batch = self.engine.step()
+                    ran = bool(batch.requests or batch.finished or batch.preempted)
                     if batch.requests:
                         self.metrics.batch_requests.observe(len(batch.requests))
                 self._relay()
-                self._drain(block=not self._jobs and not self._pending)
+                # nothing ran (every request held for its reader): wait for the inbox a moment
+                idle = not self._jobs and not self._pending
+                self._drain(block=idle or not ran, timeout_s=0.5 if idle else 0.02)
             except Exception:  # a bug must not kill the server: fail what runs, keep serving
                 logger.exception("server loop step failed")
                 for job in list(self._jobs):
@@ -138,9 +158,9 @@ class ServerLoop:
         for job in [*self._pending, *self._jobs]:
             job.emit(ErrorEvent(503, "the server is shutting down", "unavailable"))
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, block: bool, timeout_s: float = 0.5) -> None:
         try:
-            msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            msg = self._inbox.get(timeout=timeout_s) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while msg is not None:
@@ -149,6 +169,8 @@ class ServerLoop:
                 self._pending.append(arg)
             elif kind == "cancel":
                 self._cancel(arg)
+            elif kind == "fail_all":
+                self._fail_all(*arg)
             else:
                 fn, future = arg
                 try:
@@ -161,12 +183,57 @@ class ServerLoop:
                 return
 
     def _cancel(self, job_id: int) -> None:
-        self._pending = [j for j in self._pending if j.id != job_id]
+        kept = [j for j in self._pending if j.id != job_id]
+        self._ended += len(self._pending) - len(kept)
+        self._pending = kept
         for job in self._jobs:
             if job.id == job_id and not job.dropped:
                 job.dropped = True
                 self.engine.cancel(job.request)
                 self.metrics.requests.labels("cancelled").inc()
+
+    def _fail_all(self, status: int, message: str, code: str) -> None:
+        for job in self._pending:
+            job.emit(ErrorEvent(status, message, code))
+            self.metrics.error(status, code)
+        self._ended += len(self._pending)
+        self._pending = []
+        for job in self._jobs:
+            if not job.dropped:
+                self.metrics.error(status, code)
+            self._send_error(job, status, message, code)
+
+    def _flow_control(self) -> None:
+        """Hold a request whose client stopped reading (more than ``stream_buffer_events`` events
+        wait for it) out of the batch, its blocks kept; let it go on once half are read; cancel it
+        once held for ``stream_stall_timeout_s`` (408 ``stream_stalled``)."""
+        limit, now, held = self.config.stream_buffer_events, time.monotonic(), 0
+        for job in list(self._jobs):
+            flow = job.flow
+            if job.dropped:  # cancelled or failed: its turn closes (and its post-turn pass runs)
+                flow.held_since = None
+            elif flow.held_since is None and flow.backlog >= limit:
+                flow.held_since = now
+                self.metrics.streams_held.inc()
+                logger.info(
+                    "request %d held: %d events wait for a client that stopped reading", job.id, flow.backlog
+                )
+            elif flow.held_since is not None and flow.backlog <= limit // 2:
+                flow.held_since = None
+            elif flow.held_since is not None and now - flow.held_since > self.config.stream_stall_timeout_s:
+                self.metrics.refused.labels("stream_stalled").inc()
+                self._send_error(
+                    job,
+                    408,
+                    f"the client did not read its stream for {self.config.stream_stall_timeout_s:g} s ("
+                    f"{flow.backlog} events waiting): the request was cancelled",
+                    "stream_stalled",
+                )
+                flow.held_since = None
+            for request in (job.request, *job.request.children):
+                request.held = flow.held_since is not None
+            held += flow.held_since is not None
+        self.metrics.held.set(held)
 
     def _admit(self) -> None:
         """Claim each pending job's session and submit its request to the engine (a job whose
@@ -185,6 +252,7 @@ class ServerLoop:
                 if job.entry is not None:
                     self.pool.release(job.entry)
                 job.emit(ErrorEvent(*error_status(exc)))
+                self._ended += 1
                 continue
             self._jobs.append(job)
         self._pending = pending
@@ -237,6 +305,7 @@ class ServerLoop:
         """The job's request and choices are over: close the choices' forks, release the session
         (or drop it when a failed forward may have half-written its caches)."""
         self._jobs.remove(job)
+        self._ended += 1
         for child in job.request.children:
             child.session.close()
         if job.request.state is RequestState.FAILED and job.request.phase is not None:
@@ -257,5 +326,6 @@ class ServerLoop:
         """After a bug in the loop: tell the client, stop the request, drop its session."""
         self._send_error(job, status, message, code)
         self._jobs.remove(job)
+        self._ended += 1
         self.engine.cancel(job.request)
         self.pool.discard(job.entry)

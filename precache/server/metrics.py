@@ -18,8 +18,12 @@ _TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 class ServerMetrics:
     """TTFT and latency histograms (seconds, by model name), requests per batched forward, token
     counters, the cached-token ratio (cached prompt tokens / prompt tokens since start), error
-    responses by status and code (``precache_errors_total``), and gauges of cache bytes, sessions,
-    running and waiting requests."""
+    responses by status and code (``precache_errors_total``), gauges of cache bytes, sessions,
+    running, waiting and held requests, and the connections and requests refused or cut for slow
+    or stalled clients by reason (``precache_refused_total``: ``max_connections``,
+    ``header_timeout``, ``body_timeout``, ``max_requests_in_flight``, ``stream_stalled``,
+    ``draining``), and the streams held for a client that stopped reading
+    (``precache_streams_held_total``)."""
 
     def __init__(self):
         self.registry = CollectorRegistry()
@@ -70,6 +74,18 @@ class ServerMetrics:
             "Error responses by HTTP status and OpenAI error code (errors inside a stream included)",
             ["status", "code"],
             registry=r,
+        )
+        self.refused = Counter(
+            "precache_refused",
+            "Connections and requests refused or cut for slow or stalled clients, or while draining, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.held = Gauge(
+            "precache_held_requests", "Requests held out of the batch for a slow reader", registry=r
+        )
+        self.streams_held = Counter(
+            "precache_streams_held", "Times a request was held for a client that stopped reading", registry=r
         )
         self._prompt = self._cached = 0
 
