@@ -24,6 +24,7 @@ from precache.bench.llama_cpp import CONFIGS as LLAMA_CPP_CONFIGS
 from precache.bench.llama_cpp import llama_cpp_runners, parse_baselines
 from precache.bench.replay import replay_engine
 from precache.bench.serve import add_bench_serve
+from precache.bench.soak import add_bench_soak
 from precache.bench.study import add_study
 from precache.bench.suite import run_suite
 from precache.bench.trace import check_fits, load_trace, token_stream
@@ -129,6 +130,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     add_bench_capacity(bench_sub)
     add_bench_decode(bench_sub)
     add_bench_episodes(bench_sub)
+    add_bench_soak(bench_sub)
     add_study(sub)
     trace = bench_sub.add_parser("trace", help="replay an agent trace with every method, side by side")
     trace.add_argument(

@@ -8,6 +8,7 @@ in ``precache_refused_total`` by reason (``max_connections``, ``header_timeout``
 from __future__ import annotations
 
 import asyncio
+import socket
 from dataclasses import dataclass
 
 #: the whole answer to a connection refused before its request could be read
@@ -26,6 +27,10 @@ class ConnectionLimits:
     ``header_timeout_s``: seconds from a connection's first byte (or its previous response) to a
     request's complete headers; ``body_timeout_s``: seconds from the headers to the body's last
     byte. Past either, 408 and the connection closes (a running handler sees a disconnect).
+    ``send_buffer_bytes``: the kernel's send buffer of each connection (``SO_SNDBUF``; Linux
+    doubles it). Left to the kernel, loopback grows it to 4 MiB, so a client that stops reading
+    would absorb megabytes before the server's stream backpressure
+    (``ServerConfig.stream_buffer_events``) could see it.
 
     Raises:
         ValueError: a limit below 1 (connections) or not positive (seconds).
@@ -34,9 +39,15 @@ class ConnectionLimits:
     max_connections: int = 1024
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
+    send_buffer_bytes: int = 64 * 1024
 
     def __post_init__(self):
-        if self.max_connections < 1 or self.header_timeout_s <= 0 or self.body_timeout_s <= 0:
+        if (
+            self.max_connections < 1
+            or self.header_timeout_s <= 0
+            or self.body_timeout_s <= 0
+            or self.send_buffer_bytes < 4096
+        ):
             raise ValueError(f"invalid connection limits: {self}")
 
 
@@ -57,6 +68,9 @@ def limited_protocol(limits: ConnectionLimits, metrics) -> type:
                 transport.close()
                 return
             super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, limits.send_buffer_bytes)
             self._arm("header", limits.header_timeout_s)
 
         def connection_lost(self, exc) -> None:

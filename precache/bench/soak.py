@@ -1,0 +1,322 @@
+"""``precache bench soak``: one server under mixed, faulty load for a bounded time.
+
+For ``--duration`` seconds, on loopback, against ``precache serve``'s app in this process
+(:class:`~precache.server.live.LiveServer`) with a small block pool and tight client limits:
+
+- ``--tenants`` tenants (each its own ``cache_salt``) send completions in a loop, each a fresh
+  random prompt for a random agent, greedy, streamed or not; a fifth of their streams hang up
+  after two chunks (client disconnects);
+- a stalled reader opens a long stream (4 choices with 20 log-probabilities a token: far more than the
+  connection's buffers)
+  over a socket with a tiny receive buffer and never reads it, again and again (the server must
+  hold it, then cancel it);
+- a slowloris client keeps a few sockets open that send a request's headers a byte at a time
+  (the server must time them out).
+
+Afterwards it reports requests served, errors by status and code, the refusals the server
+counted, RSS over time, the tokens of every completed request that differ from the same request
+run alone on a fresh engine (must be 0: no tenant's tokens depend on the load), and the blocks
+still held once every idle conversation is dropped (must be 0: nothing leaked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+import precache
+from precache.cli_args import positive_float, positive_int
+from precache.terminal import console
+
+logger = logging.getLogger(__name__)
+
+PROMPT_LEN, MAX_TOKENS = 24, 8
+STALL_TOKENS = 120
+
+
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _parse_sse(lines: list[str]) -> tuple[list[int] | None, tuple[int, str] | None]:
+    """``(token ids of a finished choice, (status, code) of an error event)`` of a stream's lines."""
+    tokens, error = None, None
+    for line in lines:
+        if not line.startswith("data: {"):
+            continue
+        data = json.loads(line.removeprefix("data: "))
+        if "error" in data:
+            error = (int(data["error"].get("status", 0) or 0), data["error"].get("code") or "none")
+        for choice in data.get("choices", []):
+            if choice.get("finish_reason") is not None:
+                tokens = choice.get("token_ids")
+    return tokens, error
+
+
+class _Soak:
+    def __init__(
+        self, url: str, agents: list[str], vocab: list[int], tenants: int, seed: int, deadline: float
+    ):
+        self.url, self.agents, self.vocab, self.deadline = url, agents, vocab, deadline
+        self.tenants, self.seed = tenants, seed
+        self.lock = threading.Lock()
+        self.completed: list[dict] = []  # {agent, prompt, tokens, tenant}
+        self.outcomes: dict[str, int] = {}
+        self.stalls = self.slowloris_closed = 0
+
+    def _count(self, outcome: str) -> None:
+        with self.lock:
+            self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+    def tenant(self, index: int) -> None:
+        rng = random.Random(self.seed * 1000 + index)
+        salt = f"soak-tenant-{self.seed}-{index}"
+        with httpx.Client(timeout=120) as client:
+            while time.monotonic() < self.deadline:
+                prompt = [rng.choice(self.vocab) for _ in range(PROMPT_LEN)]
+                agent, stream = rng.choice(self.agents), rng.random() < 0.5
+                hang_up = stream and rng.random() < 0.2
+                body = {
+                    "model": agent, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                    "ignore_eos": True, "cache_salt": salt, "return_token_ids": True, "stream": stream,
+                }  # fmt: skip
+                try:
+                    tokens = self._send(client, body, hang_up)
+                except httpx.HTTPError as exc:
+                    self._count(f"client error {type(exc).__name__}")
+                    continue
+                if tokens is not None:
+                    with self.lock:
+                        self.completed.append(
+                            {"agent": agent, "prompt": prompt, "tokens": tokens, "tenant": index}
+                        )
+
+    def _send(self, client: httpx.Client, body: dict, hang_up: bool) -> list[int] | None:
+        if not body["stream"]:
+            r = client.post(self.url + "/completions", json=body)
+            if r.status_code != 200:
+                self._count(f"{r.status_code} {r.json().get('error', {}).get('code')}")
+                return None
+            self._count("200 whole")
+            return r.json()["choices"][0]["token_ids"]
+        lines = []
+        with client.stream("POST", self.url + "/completions", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                self._count(f"{r.status_code} {r.json().get('error', {}).get('code')}")
+                return None
+            for line in r.iter_lines():
+                lines.append(line)
+                if hang_up and sum(1 for x in lines if x.startswith("data: {")) >= 2:
+                    self._count("stream hung up by the client")
+                    return None
+        tokens, error = _parse_sse(lines)
+        if error is not None:
+            self._count(f"stream error {error[1]}")
+            return None
+        self._count("200 stream")
+        return tokens
+
+    def stalled_reader(self, host: str, port: int, hold_s: float) -> None:
+        body = json.dumps(
+            {"model": self.agents[0], "prompt": self.vocab[:PROMPT_LEN], "max_tokens": STALL_TOKENS,
+             "temperature": 0, "ignore_eos": True, "stream": True, "logprobs": 20, "n": 4,
+             "cache_salt": f"soak-stalled-{self.seed}"}
+        ).encode()  # fmt: skip
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n"
+        ).encode()
+        while time.monotonic() + hold_s < self.deadline:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+            sock.connect((host, port))
+            sock.sendall(head + body)
+            time.sleep(hold_s)  # never read
+            sock.close()
+            with self.lock:
+                self.stalls += 1
+
+    def slowloris(self, host: str, port: int, sockets: int) -> None:
+        request = f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-length: 10\r\n".encode()
+        open_: list[list] = []  # [socket, bytes sent]
+        while time.monotonic() < self.deadline:
+            while len(open_) < sockets:
+                s = socket.create_connection((host, port), timeout=5)
+                s.setblocking(False)
+                open_.append([s, 0])
+            for entry in list(open_):
+                s, sent = entry
+                try:
+                    if sent < len(request):
+                        s.send(request[sent : sent + 1])
+                        entry[1] += 1
+                    if s.recv(4096) == b"":
+                        raise ConnectionError
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    s.close()
+                    open_.remove(entry)
+                    with self.lock:
+                        self.slowloris_closed += 1
+            time.sleep(0.5)
+        for s, _ in open_:
+            s.close()
+
+
+def _metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(("precache_refused_total", "precache_errors_total", "precache_requests_total")):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def run_soak(model, adapters: dict, method: str, duration_s: float, tenants: int, kv_cache_bytes: int | None, seed: int,
+             verify_limit: int) -> dict:  # fmt: skip
+    """Run the soak described in the module docstring; returns the report (JSON-ready)."""
+    from precache.server import LiveServer, ServerConfig, create_app
+    from precache.server.connections import ConnectionLimits
+
+    engine = precache.Engine(model, adapters=adapters, method=method, kv_cache_bytes=kv_cache_bytes)
+    config = ServerConfig(
+        model_name="base", stream_buffer_events=16, stream_stall_timeout_s=2.0, max_requests_in_flight=64
+    )
+    limits = ConnectionLimits(max_connections=64, header_timeout_s=2.0, body_timeout_s=2.0)
+    app = create_app(engine, config)
+    special = set(getattr(model.tokenizer, "all_special_ids", []) or [])
+    vocab = [i for i in range(model.config.vocab_size) if i not in special]
+    rss: list[tuple[float, float]] = []
+    t0 = time.monotonic()
+    with LiveServer(app, limits=limits, shutdown_timeout_s=5) as server:
+        soak = _Soak(server.url, list(adapters), vocab, tenants, seed, t0 + duration_s)
+        threads = [threading.Thread(target=soak.tenant, args=(i,)) for i in range(tenants)]
+        threads.append(threading.Thread(target=soak.stalled_reader, args=(server.host, server.port, 4.0)))
+        threads.append(threading.Thread(target=soak.slowloris, args=(server.host, server.port, 4)))
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            rss.append((round(time.monotonic() - t0, 1), round(_rss_mib(), 1)))
+            time.sleep(1.0)
+        scheduler = app.state.loop
+        deadline = time.monotonic() + 60
+        while sum(scheduler.call(lambda pool: scheduler.load()).result(30)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        scheduler.call(lambda pool: pool.reclaim(10**9)).result(30)
+        allocator = engine.pool.allocator
+        leaked = allocator.num_blocks - allocator.num_available
+        metrics = _metrics(server.url)
+    # every completed request again, alone, on a fresh engine of the same method
+    alone_engine = precache.Engine(model, adapters=adapters, method=method)
+    checked = soak.completed[:verify_limit]
+    differ = 0
+    for record in checked:
+        session = alone_engine.session()
+        session.append(record["prompt"])
+        tokens = session.generate(
+            agent=record["agent"], max_new_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True
+        ).token_ids
+        differ += sum(a != b for a, b in zip(tokens, record["tokens"], strict=True))
+        session.close()
+    return {
+        "method": method,
+        "duration_s": duration_s,
+        "tenants": tenants,
+        "kv_cache_bytes": kv_cache_bytes,
+        "pool_blocks": engine.pool.allocator.num_blocks,
+        "outcomes": dict(sorted(soak.outcomes.items())),
+        "completed": len(soak.completed),
+        "checked_alone": len(checked),
+        "tokens_differing_from_alone": differ,
+        "stalled_readers": soak.stalls,
+        "slowloris_sockets_closed": soak.slowloris_closed,
+        "server_metrics": metrics,
+        "rss_mib": rss,
+        "blocks_leaked": leaked,
+    }
+
+
+def _table(result: dict):
+    from rich.table import Table
+
+    table = Table(title=f"soak: {result['method']}, {result['duration_s']:g} s, {result['tenants']} tenants")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for k, v in result["outcomes"].items():
+        table.add_row(f"client saw: {k}", str(v))
+    for k, v in result["server_metrics"].items():
+        if "refused" in k or "errors" in k:
+            table.add_row(f"server counted: {k}", f"{v:g}")
+    rss = [m for _, m in result["rss_mib"]]
+    table.add_row(
+        "RSS MiB (first / max / last)", f"{rss[0]:.0f} / {max(rss):.0f} / {rss[-1]:.0f}" if rss else "-"
+    )
+    table.add_row(
+        "stalled readers / slowloris sockets closed",
+        f"{result['stalled_readers']} / {result['slowloris_sockets_closed']}",
+    )
+    table.add_row(
+        "tokens differing from the request alone (must be 0)",
+        f"{result['tokens_differing_from_alone']} (over {result['checked_alone']} requests)",
+    )
+    table.add_row("blocks leaked (must be 0)", str(result["blocks_leaked"]))
+    return table
+
+
+def _bench_soak(args: argparse.Namespace) -> int:
+    from precache.resources import adapter_set
+
+    for name in ("httpx", "httpx2"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    model = precache.load_model(args.model)
+    adapters = adapter_set(args.adapters, ["plan", "action", "reflect"])
+    result = run_soak(
+        model,
+        adapters,
+        args.method,
+        args.duration,
+        args.tenants,
+        args.kv_cache_bytes,
+        args.seed,
+        args.verify_limit,
+    )
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    console().print(_table(result))
+    return 0 if result["blocks_leaked"] == 0 and result["tokens_differing_from_alone"] == 0 else 1
+
+
+def add_bench_soak(bench_sub: argparse._SubParsersAction) -> None:
+    """Register ``soak`` on the ``precache bench`` sub-parsers."""
+    p = bench_sub.add_parser("soak", help="one server under mixed, faulty load for a bounded time")
+    p.add_argument("--duration", type=positive_float, default=60.0, help="seconds of load (default 60)")
+    p.add_argument("--tenants", type=positive_int, default=4, help="tenants sending in a loop (default 4)")
+    p.add_argument("--method", default="prelrshared", help="sharing method (default prelrshared)")
+    p.add_argument("--adapters", default="qv", help="qv | all (committed sets) | DIR with DIR/<agent>/")
+    p.add_argument("--model", help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--kv-cache-bytes",
+        type=positive_int,
+        default=64 * 2**20,
+        help="the block pool (default 64 MiB: small)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--verify-limit", type=positive_int, default=200, help="completed requests re-run alone (default 200)"
+    )
+    p.add_argument("--json", required=True, help="the report")
+    p.set_defaults(func=_bench_soak)
