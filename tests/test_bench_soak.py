@@ -1,4 +1,4 @@
-"""``precache bench soak`` on the tiny model, bounded (about 10 s of load): the server survives
+"""``precache bench soak`` on the tiny model, bounded (10 s of load): the server survives
 disconnects, a stalled reader and slowloris sockets with every completed request's tokens equal
 to the request run alone and no block leaked; the refusals are counted."""
 
@@ -11,7 +11,7 @@ from tests.test_server_support import tiny_with_tokenizer
 def test_soak_on_the_tiny_model(tiny):
     model, dirs, _ = tiny
     result = run_soak(
-        tiny_with_tokenizer(model), dirs, "prelrshared", duration_s=9.0, tenants=3, kv_cache_bytes=None,
+        tiny_with_tokenizer(model), dirs, "prelrshared", duration_s=10.0, tenants=3, kv_cache_bytes=None,
         seed=0, verify_limit=60,
     )  # fmt: skip
     assert result["blocks_leaked"] == 0

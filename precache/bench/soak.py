@@ -205,7 +205,8 @@ def run_soak(model, adapters: dict, method: str, duration_s: float, tenants: int
     with LiveServer(app, limits=limits, shutdown_timeout_s=5) as server:
         soak = _Soak(server.url, list(adapters), vocab, tenants, seed, t0 + duration_s)
         threads = [threading.Thread(target=soak.tenant, args=(i,)) for i in range(tenants)]
-        threads.append(threading.Thread(target=soak.stalled_reader, args=(server.host, server.port, 4.0)))
+        # each stalled reader outlives the stall timeout (2 s) after the server sees it stop reading
+        threads.append(threading.Thread(target=soak.stalled_reader, args=(server.host, server.port, 8.0)))
         threads.append(threading.Thread(target=soak.slowloris, args=(server.host, server.port, 4)))
         for t in threads:
             t.start()
@@ -280,7 +281,7 @@ def _table(result: dict):
 def _bench_soak(args: argparse.Namespace) -> int:
     from precache.resources import adapter_set
 
-    for name in ("httpx", "httpx2"):
+    for name in ("httpx", "httpx2", "precache.server.access"):  # a line per request: thousands
         logging.getLogger(name).setLevel(logging.WARNING)
     model = precache.load_model(args.model)
     adapters = adapter_set(args.adapters, ["plan", "action", "reflect"])
