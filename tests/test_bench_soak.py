@@ -12,7 +12,7 @@ def test_soak_on_the_tiny_model(tiny):
     model, dirs, _ = tiny
     result = run_soak(
         tiny_with_tokenizer(model), dirs, "prelrshared", duration_s=10.0, tenants=3, kv_cache_bytes=None,
-        seed=0, verify_limit=60,
+        seed=0, verify_limit=60, stall_hold_s=8.0,
     )  # fmt: skip
     assert result["blocks_leaked"] == 0
     assert result["completed"] > 10 and result["checked_alone"] == min(60, result["completed"])

@@ -187,8 +187,10 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 def run_soak(model, adapters: dict, method: str, duration_s: float, tenants: int, kv_cache_bytes: int | None, seed: int,
-             verify_limit: int) -> dict:  # fmt: skip
-    """Run the soak described in the module docstring; returns the report (JSON-ready)."""
+             verify_limit: int, stall_hold_s: float = 20.0) -> dict:  # fmt: skip
+    """Run the soak described in the module docstring; returns the report (JSON-ready).
+    ``stall_hold_s``: how long each stalled reader keeps its socket open without reading (well
+    past the server's 2 s stall timeout once its buffers are full)."""
     from precache.server import LiveServer, ServerConfig, create_app
     from precache.server.connections import ConnectionLimits
 
@@ -205,8 +207,9 @@ def run_soak(model, adapters: dict, method: str, duration_s: float, tenants: int
     with LiveServer(app, limits=limits, shutdown_timeout_s=5) as server:
         soak = _Soak(server.url, list(adapters), vocab, tenants, seed, t0 + duration_s)
         threads = [threading.Thread(target=soak.tenant, args=(i,)) for i in range(tenants)]
-        # each stalled reader outlives the stall timeout (2 s) after the server sees it stop reading
-        threads.append(threading.Thread(target=soak.stalled_reader, args=(server.host, server.port, 8.0)))
+        threads.append(
+            threading.Thread(target=soak.stalled_reader, args=(server.host, server.port, stall_hold_s))
+        )
         threads.append(threading.Thread(target=soak.slowloris, args=(server.host, server.port, 4)))
         for t in threads:
             t.start()
