@@ -82,12 +82,17 @@ class LlamaCppTree:
 
 
 def find_llama_cpp(root: str | os.PathLike | None = None) -> LlamaCppTree:
-    """The llama.cpp that ``make llama-cpp`` built under ``root``, ``$PRECACHE_LLAMA_CPP`` or
-    ``.llama-cpp``.
+    """The llama.cpp that ``make llama-cpp`` built under ``root``, ``$PRECACHE_LLAMA_CPP``,
+    ``.llama-cpp`` in the working directory, or ``.llama-cpp`` in the checkout an editable install
+    runs from.
 
     Raises:
         LlamaCppMissingError: no llama-server or converter there (the message says how to build it).
     """
+    if root is None and not os.environ.get(ENV_DIR) and not Path(DEFAULT_DIR).is_dir():
+        # an editable install run from elsewhere: the checkout's .llama-cpp, where make put it
+        checkout = Path(__file__).resolve().parents[2] / DEFAULT_DIR
+        root = checkout if checkout.is_dir() else None
     base = Path(root or os.environ.get(ENV_DIR) or DEFAULT_DIR).expanduser().resolve()
     server = base / "build" / "bin" / "llama-server"
     src = base / "src"

@@ -278,7 +278,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "finish); then open streams get an error event and [DONE], waiting responses a 503 (default 30)",
     )
     p.add_argument(
-        "--max-connections", type=positive_int, default=1024, help="open connections at once (more: 503)"
+        "--max-connections",
+        type=positive_int,
+        default=1024,
+        help="open connections at once (more: 503; default 1024)",
     )
     p.add_argument(
         "--header-timeout",
@@ -296,19 +299,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--max-requests-in-flight",
         type=positive_int,
         default=512,
-        help="generation requests admitted at once, waiting or running (more: 503 server_busy)",
+        help="generation requests admitted at once, waiting or running (more: 503 server_busy; default 512)",
     )
     p.add_argument(
         "--stream-buffer-events",
         type=positive_int,
         default=256,
-        help="tokens a request may have waiting for a slow reader before it is held out of the batch",
+        help="tokens a request may have waiting for a slow reader before it is held out of the batch (default 256)",
     )
     p.add_argument(
         "--stream-stall-timeout",
         type=positive_float,
         default=30.0,
-        help="seconds a request stays held for a reader that stopped reading before it is cancelled",
+        help="seconds a request stays held for a reader that stopped reading before it is cancelled (default 30)",
     )
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill tokens per forward")
     p.add_argument(
