@@ -332,3 +332,87 @@ def test_a_killed_replica_loses_its_streams_only_and_its_trajectories_move(clust
     assert replica != victim and body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     replica, body = _complete(client, "plan", prompts[unanswered] + [11, 12, 13])
     assert replica == retried and body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def _descendants(root: int) -> set[int]:
+    """Every process under ``root`` now (the ppid tree, from ``ps``)."""
+    import subprocess
+
+    rows = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.split("\n")
+    children: dict[int, list[int]] = {}
+    for row in rows:
+        if row.strip():
+            pid, ppid = map(int, row.split())
+            children.setdefault(ppid, []).append(pid)
+    out, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_cluster_with_no_ray_process_left(tiny, tmp_path):
+    """``serve --replicas`` on SIGTERM stops Ray Serve and the Ray instance it started: no process
+    it started is alive afterwards, and the log has no native stack dump (issue 24)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from precache.cluster.app import free_port
+    from tests.test_server_hostile import _save_tiny_checkpoint
+
+    hf_dir = tmp_path / "hf"
+    _save_tiny_checkpoint(tiny, hf_dir)
+    port = free_port("127.0.0.1")
+    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "precache",
+            "serve",
+            "--model",
+            str(hf_dir),
+            "--replicas",
+            "1",
+            "--port",
+            str(port),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:  # up, and past its start-up (the line after serve.run returns)
+                up = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+                if up and " replicas (" in (tmp_path / "serve.log").read_text(errors="replace"):
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise AssertionError((tmp_path / "serve.log").read_text()[-2000:])
+        started = _descendants(proc.pid)
+        assert started  # Ray's GCS, raylet, agents, workers
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        time.sleep(2)
+        alive = [pid for pid in started if os.path.exists(f"/proc/{pid}")]
+        assert not alive, subprocess.run(
+            ["ps", "-o", "pid,cmd", "-p", ",".join(map(str, alive))], capture_output=True, text=True
+        ).stdout
+        text = (tmp_path / "serve.log").read_text(errors="replace")
+        assert "Aborted" not in text and "Fatal Python error" not in text and "*** SIG" not in text
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()

@@ -183,6 +183,10 @@ class ClusterServer:
     def start(self) -> ClusterServer:
         if not ray.is_initialized():
             options = {"include_dashboard": False, "log_to_driver": False, **self.init}
+            if self.ray_address is None:
+                # Ray's native handler would print a stack dump on SIGTERM and abort the process
+                # before Python's handler shuts Ray down (issue 24): SIGTERM stops us cleanly
+                os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
             if self.ray_address is None and self.host in ("127.0.0.1", "localhost"):
                 options.setdefault("_node_ip_address", "127.0.0.1")
             ray.init(address=self.ray_address, **options)
@@ -204,6 +208,16 @@ class ClusterServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class _Stopped(Exception):
+    """SIGTERM arrived: ``serve_from_args`` leaves its ``with`` block, which stops Ray Serve and the
+    Ray instance it started (without it the process died with Ray's agents left running)."""
+
+
+class _StopSignal:
+    def __call__(self, signum, frame) -> None:
+        raise _Stopped
 
 
 def free_port(host: str) -> int:
@@ -258,10 +272,13 @@ def serve_from_args(args) -> int:
             cluster.router,
             server.url,
         )
+        stop = _StopSignal()
+        signal.signal(signal.SIGTERM, stop)  # as Ctrl-C: leave the with block, shutting Ray down
         try:
             while True:
                 time.sleep(3600)
-        except KeyboardInterrupt:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown
+        except (KeyboardInterrupt, _Stopped):
+            for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the shutdown
+                signal.signal(sig, signal.SIG_IGN)
             logger.info("stopping")
     return 0
