@@ -54,20 +54,7 @@ def main() -> None:
                 trajectory += ids
                 agent = agents.index(turn.agent)
                 slot = -1 if choice == "auto" else (agent if slots > 1 else 0)
-                answer = server.post(
-                    "/completion",
-                    {
-                        "prompt": trajectory,
-                        "n_predict": turn.decode_len,
-                        "temperature": 0.0,
-                        "samplers": ["temperature"],
-                        "ignore_eos": True,
-                        "cache_prompt": True,
-                        "id_slot": slot,
-                        "return_tokens": True,
-                        "lora": [{"id": a, "scale": float(a == agent)} for a in range(len(agents))],
-                    },
-                )
+                answer = server.complete(trajectory, turn.decode_len, slot, agent, len(agents))
                 trajectory += answer["tokens"]
                 same = sum(x == y for x, y in zip(answer["tokens"], ref.token_ids, strict=True))
                 cells.append(f"{answer['timings'].get('cache_n', 0)} reused, {same}/{turn.decode_len}")

@@ -55,6 +55,8 @@ def test_bench_trace_refuses_llama_cpp_when_not_built(tiny, tmp_path, monkeypatc
     assert not (tmp_path / "r.json").exists()
     assert main([*argv[:-4], "--baselines", "hf-peft,llamacpp", "--json", str(tmp_path / "r.json")]) == 2
     assert "unknown baseline 'llamacpp'" in capsys.readouterr().err
+    assert main([*argv, "--device", "cuda"]) == 2
+    assert "built for the CPU here" in capsys.readouterr().err
 
 
 def _built():

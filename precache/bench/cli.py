@@ -29,6 +29,7 @@ from precache.bench.study import add_study
 from precache.bench.suite import run_suite
 from precache.bench.trace import check_fits, load_trace, token_stream
 from precache.cli_args import dtype_of, positive_int
+from precache.errors import PrecacheError
 from precache.methods import METHODS
 from precache.resources import adapter_set, trace_path
 from precache.terminal import console
@@ -45,6 +46,13 @@ def _bench_trace(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     methods = methods_with_reference(args.methods)
+    baselines = [b for b in parse_baselines(args.baselines) if not (args.no_hf_peft and b == METHOD_NAME)]
+    llama_configs = [b for b in baselines if b in LLAMA_CPP_CONFIGS]
+    if llama_configs and args.device not in (None, "cpu"):
+        raise PrecacheError(
+            f"--baselines {','.join(llama_configs)}: llama.cpp is built for the CPU here; "
+            f"it cannot be compared on --device {args.device}"
+        )
     trace = load_trace(trace_path(args.trace))
     adapters = adapter_set(args.adapters, trace.agents)
     # a trace replays token ids: a checkpoint without tokenizer files is enough
@@ -62,12 +70,10 @@ def _bench_trace(args: argparse.Namespace) -> int:
         # every repeat replays the same stream: no trajectory may reuse another's blocks
         engine = precache.Engine(model, adapters=adapters, method=method, prefix_caching=False)
         runners[method] = lambda tr, st, engine=engine: replay_engine(engine, tr, st)
-    baselines = [b for b in parse_baselines(args.baselines) if not (args.no_hf_peft and b == METHOD_NAME)]
     if METHOD_NAME in baselines:
         hf_model = hf_model_of(model).to(device=model.device, dtype=model.dtype)  # the engine's device
         runners[METHOD_NAME] = HFPeftAgents(hf_model, adapters, take=True).replay
     repeats = args.repeats = args.repeats or CHECK_TRACES.get(args.trace, DEFAULT_REPEATS)
-    llama_configs = [b for b in baselines if b in LLAMA_CPP_CONFIGS]
     with llama_cpp_runners(
         llama_configs, model.path, adapters, model.config, trace, torch.get_num_threads()
     ) as llama_runners:

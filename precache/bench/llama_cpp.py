@@ -145,6 +145,20 @@ def _staged_checkpoint(checkpoint: Path, into: Path) -> Path:
     return into
 
 
+def _converted(out: Path, checkpoint: Path, args: list[str], what: str) -> Path:
+    """``out``, written once by a llama.cpp converter run as ``args`` plus the staged
+    ``checkpoint`` folder's path (``{staged}`` in ``args``) and ``--outfile``."""
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            staged = _staged_checkpoint(checkpoint, Path(tmp) / "checkpoint")
+            part = out.with_suffix(".part")
+            filled = [str(staged) if x == "{staged}" else x for x in args]
+            _run_converter([*filled, "--outfile", str(part)], what)
+            part.rename(out)
+    return out
+
+
 def gguf_model(tree: LlamaCppTree, checkpoint: str | os.PathLike, weight_type: str) -> Path:
     """The HF ``checkpoint`` folder converted by ``convert_hf_to_gguf.py --outtype weight_type``,
     cached under ``~/.cache/precache/llama-cpp``.
@@ -153,26 +167,9 @@ def gguf_model(tree: LlamaCppTree, checkpoint: str | os.PathLike, weight_type: s
         PrecacheError: the converter failed (its last lines of stderr in the message).
     """
     checkpoint = Path(checkpoint)
-    key = _fingerprint(checkpoint)
-    out = _cache_dir() / f"model-{key}-{tree.version}-{weight_type}.gguf"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            staged = _staged_checkpoint(checkpoint, Path(tmp) / "checkpoint")
-            part = out.with_suffix(".part")
-            _run_converter(
-                [
-                    str(tree.src / "convert_hf_to_gguf.py"),
-                    str(staged),
-                    "--outtype",
-                    weight_type,
-                    "--outfile",
-                    str(part),
-                ],
-                f"{checkpoint} ({weight_type})",
-            )
-            part.rename(out)
-    return out
+    out = _cache_dir() / f"model-{_fingerprint(checkpoint)}-{tree.version}-{weight_type}.gguf"
+    args = [str(tree.src / "convert_hf_to_gguf.py"), "{staged}", "--outtype", weight_type]
+    return _converted(out, checkpoint, args, f"{checkpoint} ({weight_type})")
 
 
 def gguf_adapter(tree: LlamaCppTree, adapter: str | os.PathLike, checkpoint: str | os.PathLike) -> Path:
@@ -183,26 +180,8 @@ def gguf_adapter(tree: LlamaCppTree, adapter: str | os.PathLike, checkpoint: str
     """
     adapter, checkpoint = Path(adapter), Path(checkpoint)
     out = _cache_dir() / f"lora-{_fingerprint(adapter, checkpoint)}-{tree.version}.gguf"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            staged = _staged_checkpoint(checkpoint, Path(tmp) / "checkpoint")
-            part = out.with_suffix(".part")
-            _run_converter(
-                [
-                    str(tree.src / "convert_lora_to_gguf.py"),
-                    "--base",
-                    str(staged),
-                    "--outtype",
-                    "f32",
-                    "--outfile",
-                    str(part),
-                    str(adapter),
-                ],
-                str(adapter),
-            )
-            part.rename(out)
-    return out
+    args = [str(tree.src / "convert_lora_to_gguf.py"), "--base", "{staged}", "--outtype", "f32", str(adapter)]
+    return _converted(out, checkpoint, args, str(adapter))
 
 
 def _free_port() -> int:
@@ -303,6 +282,25 @@ class LlamaServer:
         except urllib.error.HTTPError as exc:
             raise PrecacheError(f"llama-server {path}: {exc.code} {exc.read()[:300]!r}") from exc
 
+    def complete(self, prompt: list[int], n_predict: int, slot: int, adapter: int, adapters: int) -> dict:
+        """One greedy ``/completion`` of token ids ``prompt``: exactly ``n_predict`` tokens
+        (``ignore_eos``), in ``slot`` (-1: llama.cpp chooses), with LoRA ``adapter`` at scale 1
+        and the other ``adapters - 1`` at 0; llama-server's answer (``tokens``, ``timings``, ...)."""
+        return self.post(
+            "/completion",
+            {
+                "prompt": prompt,
+                "n_predict": n_predict,
+                "temperature": 0.0,
+                "samplers": ["temperature"],
+                "ignore_eos": True,
+                "cache_prompt": True,
+                "id_slot": slot,
+                "return_tokens": True,
+                "lora": [{"id": i, "scale": 1.0 if i == adapter else 0.0} for i in range(adapters)],
+            },
+        )
+
     def erase_slots(self) -> None:
         """Drop every slot's cache (a replay starts with nothing cached)."""
         for slot in range(self.slots):
@@ -368,22 +366,7 @@ class LlamaCppAgents:
             trajectory.extend(ids)
             agent_id = self.agents.index(turn.agent)
             slot = self._slot(turn.agent)
-            answer = self.server.post(
-                "/completion",
-                {
-                    "prompt": trajectory,
-                    "n_predict": turn.decode_len,
-                    "temperature": 0.0,
-                    "samplers": ["temperature"],
-                    "ignore_eos": True,
-                    "cache_prompt": True,
-                    "id_slot": slot,
-                    "return_tokens": True,
-                    "lora": [
-                        {"id": i, "scale": 1.0 if i == agent_id else 0.0} for i in range(len(self.agents))
-                    ],
-                },
-            )
+            answer = self.server.complete(trajectory, turn.decode_len, slot, agent_id, len(self.agents))
             tokens = [int(t) for t in answer["tokens"]]
             if len(tokens) != turn.decode_len:
                 raise PrecacheError(f"{self.name}: {len(tokens)} tokens for a {turn.decode_len}-token turn")
