@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import random
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,8 @@ from precache.cluster.routing import ROUTING_KEY, AffinityTable, block_hashes
 from tests.test_server_support import BASE, live, tiny_engine, tiny_with_tokenizer
 
 BLOCK = 4  # routing block (tokens): the tiny model's prompts are short
+KEYS = ("key-alpha", "key-beta")  # the live cluster's API keys: two tenants
+MAX_BYTES = 16 * 1024  # its --max-request-bytes
 AGENTS = ("plan", "action", "reflect")
 
 
@@ -109,6 +112,42 @@ def test_routing_hashes_are_the_engines_prefix_chain():
     ]
 
 
+def test_merged_metrics_label_each_source_and_write_each_family_once():
+    from prometheus_client import generate_latest
+
+    from precache.cluster.metrics import IngressMetrics, merge_metrics
+    from precache.server.metrics import ServerMetrics
+
+    a, b, ingress = ServerMetrics(), ServerMetrics(), IngressMetrics()
+    a.error(404, "not_found")
+    b.error(404, "not_found")
+    b.error(404, "not_found")
+    ingress.error(401, "invalid_api_key")
+    texts = {name: generate_latest(m.registry).decode() for name, m in (("r1", a), ("r2", b))}
+    text = merge_metrics({**texts, "ingress": ingress.text()}).decode()
+    samples = _samples(text)
+    assert (
+        samples[("precache_errors_total", (("code", "not_found"), ("replica", "r1"), ("status", "404")))] == 1
+    )
+    assert (
+        samples[("precache_errors_total", (("code", "not_found"), ("replica", "r2"), ("status", "404")))] == 2
+    )
+    key = ("precache_errors_total", (("code", "invalid_api_key"), ("replica", "ingress"), ("status", "401")))
+    assert samples[key] == 1
+    # one HELP and TYPE per family, its samples together (the text format's rule)
+    assert text.count("# TYPE precache_errors_total counter") == 1
+    families, family = [], None
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            family = line.split()[2]
+            families.append(family)
+        elif line and not line.startswith("#"):
+            assert line.startswith(family), (line, family)  # under its own family's header
+    assert len(families) == len(set(families))
+    with pytest.raises(ValueError, match="type"):
+        merge_metrics({"x": "# TYPE m counter\nm_total 1\n", "y": "# TYPE m gauge\nm 1\n"})
+
+
 def test_serve_without_ray_says_how_to_install_it(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray now raises ImportError
     monkeypatch.setitem(sys.modules, "ray.serve", None)
@@ -124,6 +163,29 @@ def test_serve_refuses_replica_flags_without_replicas(capsys):
     assert "--num-gpus-per-replica needs --replicas N or --ray-address ADDR" in capsys.readouterr().err
     assert main(["serve", "--replicas", "0"]) == 2
     assert "--replicas must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_serve_replicas_takes_the_security_flags_to_the_ingress(tiny, tmp_path, monkeypatch):
+    pytest.importorskip("ray.serve")
+    import precache.cluster.app as cluster_app
+    from tests.test_server_hostile import _save_tiny_checkpoint
+
+    class Built(Exception):
+        pass
+
+    def build_app(spec, tokenizer, vocab_size, max_context, server_config, cluster):
+        raise Built(server_config)
+
+    monkeypatch.setattr(cluster_app, "build_app", build_app)
+    _save_tiny_checkpoint(tiny, tmp_path / "hf")
+    (tmp_path / "keys.txt").write_text("# keys\nkey-from-file\n")
+    args = ["serve", "--model", str(tmp_path / "hf"), "--replicas", "2", "--api-key", "k1"]
+    args += ["--api-keys", str(tmp_path / "keys.txt"), "--max-request-bytes", "4096"]
+    with pytest.raises(Built) as built:
+        main([*args, "--trust-client-special-tokens"])
+    config = built.value.args[0]
+    assert config.api_keys == ("k1", "key-from-file") and config.max_request_bytes == 4096
+    assert config.trust_client_special_tokens
 
 
 # -- a live cluster: 2 replicas on a local Ray instance -----------------------------------------
@@ -149,12 +211,12 @@ def cluster(tiny):
         served.tokenizer,
         served.config.vocab_size,
         served.max_context,
-        ServerConfig(model_name=BASE),
+        ServerConfig(model_name=BASE, api_keys=KEYS, max_request_bytes=MAX_BYTES),
         config,
     )
     with (
         ClusterServer(app, port=0, num_cpus=2) as server,
-        httpx.Client(base_url=server.url, timeout=60) as client,
+        httpx.Client(base_url=server.url, timeout=60, headers=_auth(KEYS[0])) as client,
     ):
         yield server, client
 
@@ -167,6 +229,10 @@ def single(tiny):
         httpx.Client(base_url=server.url, timeout=60) as client,
     ):
         yield client
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
 
 
 def _prompt(k: int) -> list[int]:
@@ -286,6 +352,123 @@ def test_the_api_answers_errors_and_streams_as_the_single_server_does(cluster, s
     body |= {"ignore_eos": True, "stream_options": {"include_usage": True}}
     got, want = _events(client, body), _events(single, body)
     assert got == want and got[0] == 200 and got[1][-1] == "[DONE]"
+
+
+def test_the_ingress_applies_one_servers_keys_and_body_limit(cluster):
+    server, client = cluster
+    body = {"model": "plan", "prompt": _prompt(70), "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=60) as anonymous:
+        for headers in ({}, _auth("key-gamma"), {"Authorization": "Basic a2V5LWFscGhh"}):
+            r = anonymous.post("/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        # as one server (and vLLM): liveness and metrics need no key
+        assert anonymous.get(server.url.removesuffix("/v1") + "/health").status_code == 200
+    big = {**body, "prompt": "x" * MAX_BYTES}
+    r = client.post("/completions", json=big)  # refused on its Content-Length
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    data = json.dumps(big).encode()
+    r = client.post("/completions", content=iter([data[:100], data[100:]]))  # chunked: on its bytes
+    assert r.status_code == 413 and f"more than {MAX_BYTES}" in r.json()["error"]["message"]
+    # each key is a tenant of its own, as on one server: the other key's cache is not read
+    replica, first = _complete(client, "plan", _prompt(71))
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    with httpx.Client(base_url=server.url, timeout=60, headers=_auth(KEYS[1])) as beta:
+        _, other = _complete(beta, "action", _prompt(71))
+    _, again = _complete(client, "action", _prompt(71))
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_routing_hashes_are_seeded_with_key_and_salt():
+    pytest.importorskip("ray.serve")
+    from precache.cluster.ingress import request_tenant
+
+    prompt = _prompt(72)
+    salted = json.dumps({"prompt": prompt, "cache_salt": "s"}).encode()
+    bare = json.dumps({"prompt": prompt}).encode()
+    chains = {
+        (key, body): tuple(block_hashes(prompt, BLOCK, request_tenant(key, body)))
+        for key in (None, "fingerprint-a", "fingerprint-b")
+        for body in (salted, bare)
+    }
+    assert len(chains) == 6 and all(len(h) == len(prompt) // BLOCK for h in chains.values())
+    # no two tenants share one block hash; one tenant's is stable
+    assert len({h for hashes in chains.values() for h in hashes}) == 6 * (len(prompt) // BLOCK)
+    assert chains[("fingerprint-a", salted)] == tuple(
+        block_hashes(prompt, BLOCK, request_tenant("fingerprint-a", salted))
+    )
+
+
+def test_placement_says_nothing_of_another_tenants_prompt(cluster):
+    """Issue 24's probe: tenant A sends P; tenant B, a fresh salt each time, sends P plus a few
+    tokens. Without the tenant in the router's hashes B landed on A's replica 14 times of 14; now B
+    lands there no more often than a control prompt of the same length (both are new trajectories,
+    placed on the least loaded replica, ties at random: about half)."""
+    server, client = cluster
+    secret = _prompt(80)
+    for agent in ("plan", "action"):  # A's trajectory, held (anchored) on its replica
+        home, _ = _complete(client, agent, secret + ([] if agent == "plan" else [4, 4, 4, 4]))
+    trials, probe_hits, control_hits = 24, 0, 0
+    with httpx.Client(base_url=server.url, timeout=60, headers=_auth(KEYS[1])) as b:
+        for t in range(trials):
+            for prompt, is_probe in (
+                (secret + [5, 6, 7, 8], True),
+                (_random_prompt(t, len(secret) + 4), False),
+            ):
+                body = {
+                    "model": "plan",
+                    "prompt": prompt,
+                    "max_tokens": 1,
+                    "cache_salt": f"probe-{t}-{is_probe}",
+                }
+                r = b.post("/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+                hit = r.headers[REPLICA_HEADER] == home
+                probe_hits, control_hits = (
+                    probe_hits + (hit and is_probe),
+                    control_hits + (hit and not is_probe),
+                )
+    # a held trajectory would land all 24 probes on A's replica; random placement gives each side
+    # Binomial(24, 1/2): the difference exceeds 9 with probability about 0.3%
+    assert probe_hits <= control_hits + 9, (probe_hits, control_hits)
+
+
+def _random_prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 93) for _ in range(n)]
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_metrics_hold_every_replica_labelled_and_the_ingress_refusals(cluster):
+    server, client = cluster
+    url = server.url.removesuffix("/v1") + "/metrics"
+    served = {_complete(client, "plan", _random_prompt(300 + k, 36))[0] for k in range(6)}
+    httpx.post(server.url + "/completions", json={"model": "plan", "prompt": [5]})  # no key: 401
+    r = httpx.get(url)  # open, as on one server
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples = _samples(r.text)
+    replicas = {dict(labels).get("replica") for _, labels in samples} - {"ingress"}
+    assert replicas >= served and len(replicas) == 2
+    assert samples[("precache_cluster_replicas_reporting", (("replica", "ingress"),))] == 2
+    key = ("precache_errors_total", (("code", "invalid_api_key"), ("replica", "ingress"), ("status", "401")))
+    assert samples[key] >= 1
+    # each replica's own counters, as its /metrics counts them: every generation request once
+    requests = {
+        dict(labels)["replica"]: value
+        for (name, labels), value in samples.items()
+        if name == "precache_time_to_first_token_seconds_count"
+    }
+    assert set(requests) == replicas and all(v >= 1 for v in requests.values())
 
 
 def _stream(client, agent, ids, started: threading.Event, max_tokens: int) -> tuple[str, list[str]]:

@@ -327,7 +327,10 @@ def test_serve_refuses_bad_adapters_and_keys_with_one_line(tiny, tmp_path, capsy
             "named like the base model",
         ),
         (["--api-keys", str(tmp_path / "missing.txt")], "--api-keys"),
-        (["--replicas", "2", "--api-key", "k"], "--api-key: not supported with --replicas"),
+        (
+            ["--replicas", "2", "--enable-runtime-lora"],
+            "--enable-runtime-lora: not supported with --replicas",
+        ),
         (["--replicas", "2", "--header-timeout", "3"], "--header-timeout: not supported with --replicas"),
     ]
     hf_dir = tmp_path / "hf"

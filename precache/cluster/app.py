@@ -9,6 +9,7 @@ response streamed back through the ingress, with the ``x-precache-replica`` head
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -29,7 +30,7 @@ from precache.cluster.ingress import PrecacheIngress
 from precache.cluster.replica import PrecacheReplica
 from precache.cluster.routing import DEFAULT_ROUTING_BLOCK
 from precache.models.loader import checkpoint_name, resolve_checkpoint
-from precache.server.cli import adapters_from_args
+from precache.server.cli import adapters_from_args, api_keys_from_args
 from precache.server.config import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -122,7 +123,10 @@ def build_app(
     """The Serve application (not yet running): ``engine_factory()`` builds each replica's engine;
     ``tokenizer``, ``vocab_size`` and ``max_context`` (tokens) let the ingress tokenize prompts as
     the replicas do; ``server_config`` is every replica's
-    :class:`~precache.server.config.ServerConfig`."""
+    :class:`~precache.server.config.ServerConfig`, except its security, which the ingress applies
+    for the whole cluster: ``api_keys`` (checked there, so the replicas get no key, only the
+    fingerprint of the one that authenticated each request), ``max_request_bytes`` and
+    ``trust_client_special_tokens`` (the ingress tokenizes prompts as the replicas do)."""
     router = RequestRouterConfig(request_routing_stats_period_s=cluster.stats_period_s)
     if cluster.router == "affinity":
         router = RequestRouterConfig(
@@ -152,14 +156,17 @@ def build_app(
         max_ongoing_requests=10_000,  # it only relays: the replicas' limits apply
         ray_actor_options={"num_cpus": 0},
     )
+    replica_config = dataclasses.replace(server_config, api_keys=())  # keys stay at the ingress
     return ingress.bind(
-        replica.bind(engine_factory, server_config, cluster.routing_block),
+        replica.bind(engine_factory, replica_config, cluster.routing_block),
         tokenizer,
         vocab_size,
         max_context,
-        getattr(server_config, "trust_client_special_tokens", False),  # a field newer than this module
+        server_config.trust_client_special_tokens,
         cluster.routing_block,
         cluster.attempts,
+        server_config.api_keys,
+        server_config.max_request_bytes,
     )
 
 
@@ -187,8 +194,6 @@ class ClusterServer:
                 # Ray's native handler would print a stack dump on SIGTERM and abort the process
                 # before Python's handler shuts Ray down (issue 24): SIGTERM stops us cleanly
                 os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
-            if self.ray_address is None and self.host in ("127.0.0.1", "localhost"):
-                options.setdefault("_node_ip_address", "127.0.0.1")
             ray.init(address=self.ray_address, **options)
             self._started_ray = self.ray_address is None
         if self.port == 0:
@@ -244,6 +249,9 @@ def serve_from_args(args) -> int:
         stream_buffer_events=args.stream_buffer_events,
         stream_stall_timeout_s=args.stream_stall_timeout,
         max_requests_in_flight=args.max_requests_in_flight,
+        api_keys=api_keys_from_args(args),
+        max_request_bytes=args.max_request_bytes,
+        trust_client_special_tokens=args.trust_client_special_tokens,
     )
     tokenizer = (
         AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None

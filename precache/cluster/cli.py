@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 from precache.cluster import cluster_requested
 from precache.errors import PrecacheError
-from precache.server.config import DEFAULT_MAX_REQUEST_BYTES
 
 #: ``serve``'s connection limits and their defaults (:class:`~precache.server.connections.ConnectionLimits`)
 CONNECTION_FLAGS = (
@@ -24,8 +23,10 @@ CONNECTION_FLAGS = (
 
 
 def refuse_single_process_flags(args: argparse.Namespace) -> None:
-    """The flags the Ray Serve ingress does not apply yet (security, adapters at run time): refused,
-    never dropped.
+    """The flags a cluster does not apply: adapters loaded at run time (each replica would need
+    them) and the connection limits (connections end at Ray Serve's HTTP proxy, which precache's
+    limits do not reach): refused, never dropped. The security flags (keys, request size, special
+    tokens) are applied at the ingress.
 
     Raises:
         PrecacheError: one of them is given; the message names them.
@@ -33,17 +34,9 @@ def refuse_single_process_flags(args: argparse.Namespace) -> None:
     given = [
         flag
         for flag, on in (
-            ("--api-key", bool(getattr(args, "api_key", None))),
-            ("--api-keys", bool(getattr(args, "api_keys", None))),
-            ("--trust-client-special-tokens", getattr(args, "trust_client_special_tokens", False)),
             ("--enable-runtime-lora", getattr(args, "enable_runtime_lora", False)),
             ("--max-loras", getattr(args, "max_loras", None) is not None),
             ("--max-lora-rank", getattr(args, "max_lora_rank", None) is not None),
-            (
-                "--max-request-bytes",
-                getattr(args, "max_request_bytes", None) not in (None, DEFAULT_MAX_REQUEST_BYTES),
-            ),
-            # connections end at Ray Serve's HTTP proxy, which precache's limits do not reach
             *((flag, getattr(args, attr, default) != default) for flag, attr, default in CONNECTION_FLAGS),
         )
         if on

@@ -5,26 +5,37 @@ functions over the same tokenizer), hashes its blocks (:func:`~precache.cluster.
 as routing metadata, and forwards the raw request to a replica through a Ray handle whose router
 (:class:`~precache.cluster.router.TrajectoryAffinityRouter`, or Ray's default) picks the replica.
 Everything the client sees (routes, validation, errors, streaming) comes from the replica's own
-``create_app``; the ingress only relays it.
+``create_app``; the ingress only relays it, after the checks one server makes before reading a
+body (:class:`~precache.server.guard.Admission`: the API key, 401; the body size, 413). The key
+itself never leaves the ingress: a replica gets its fingerprint, which makes the request's tenant
+there as on one server, and the router hashes the prompt under that tenant (key and
+``cache_salt``), so where a request lands says nothing about other tenants' prompts. ``GET
+/metrics`` merges every replica's metrics, each labelled with its replica
+(:mod:`precache.cluster.metrics`).
 
 A replica that dies: a request that had received nothing from it yet is sent again (the router
 no longer offers the dead replica), up to ``attempts`` times; a response already under way ends
 with an error the client can read (an SSE error event and ``[DONE]`` in a stream).
 """
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from precache.cluster.replica import ForwardedRequest, ResponseStart
+from precache.cluster.metrics import INGRESS, IngressMetrics, merge_metrics
+from precache.cluster.replica import REPLICA_HEADER, ForwardedRequest, ResponseStart
 from precache.cluster.routing import block_hashes
 from precache.server.codec import Codec
+from precache.server.config import DEFAULT_MAX_REQUEST_BYTES
 from precache.server.errors import APIError, error_body
+from precache.server.guard import Admission
 from precache.server.prompts import chat_prompt, completion_prompts
 from precache.server.protocol import ChatRequest, CompletionRequest
 from precache.server.responses import sse
@@ -34,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 _REPLICA_LOST = (ActorDiedError, ActorUnavailableError, RayActorError)
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection"}
+_NOT_FORWARDED = {"authorization"}  # the key stays here; the replica gets its fingerprint
+#: seconds one replica may take to answer the ingress's ``/metrics`` scrape
+METRICS_TIMEOUT_S = 10.0
 
 api = FastAPI(title="precache cluster")
 
@@ -70,14 +84,40 @@ def prompt_ids(path: str, body: bytes, codec, vocab_size: int) -> list[int]:
     return []
 
 
-def request_tenant(body: bytes) -> str | None:
-    """The tenant a replica's server gives the request (the cluster serves without API keys: its
-    ``cache_salt`` alone), so the prompt is hashed in the same chain as that tenant's sessions."""
+def request_tenant(key: str | None, body: bytes) -> str | None:
+    """The tenant a replica's server gives the request: the fingerprint ``key`` of its API key
+    (None: none) and its ``cache_salt``, so the prompt is hashed in the same chain as that tenant's
+    sessions."""
     try:
         salt = json.loads(body).get("cache_salt")
     except (ValueError, AttributeError):
-        return None
-    return Tenants.tenant(None, salt if isinstance(salt, str) else None)
+        salt = None
+    return Tenants.tenant(key, salt if isinstance(salt, str) else None)
+
+
+async def read_body(chunks: AsyncIterator[bytes], limit: int) -> bytes | None:
+    """The body of ``chunks``, or None as soon as it passes ``limit`` bytes (the rest is not read)."""
+    pieces, size = [], 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > limit:
+            return None
+        pieces.append(chunk)
+    return b"".join(pieces)
+
+
+def replica_names(app_name: str, deployment: str) -> list[str]:
+    """The Ray Serve replica ids of ``deployment`` in application ``app_name`` now: the names of
+    their actors (``SERVE_REPLICA::<app>#<deployment>#<id>``), read from Ray's actor registry."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    return sorted(
+        a["name"].removeprefix(prefix)
+        for a in actors
+        if a.get("namespace") == "serve" and a["name"].startswith(prefix)
+    )
 
 
 async def _until_first_bytes(stream) -> tuple[ResponseStart, list[bytes], bool]:
@@ -139,23 +179,41 @@ class PrecacheIngress:
         trust_special: bool,
         block_size: int,
         attempts: int = 3,
+        api_keys: tuple[str, ...] = (),
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     ):
         self.replicas = replicas.options(stream=True)
         self.codec = routing_codec(tokenizer, max_context, trust_special)
         self.vocab_size, self.block_size, self.attempts = vocab_size, block_size, attempts
+        self.admission = Admission(Tenants(api_keys), max_request_bytes)
+        self.metrics = IngressMetrics()
+
+    def _refuse(self, status: int, body: dict) -> JSONResponse:
+        self.metrics.error(status, body["error"].get("code") or "none")
+        return JSONResponse(body, status_code=status)
 
     @api.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(self, path: str, request: Request) -> Response:
-        body = await request.body()
         path = "/" + path
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        key, refusal = self.admission.check(path, headers)
+        if refusal is not None:
+            return self._refuse(*refusal)
+        body = await read_body(request.stream(), self.admission.max_body_bytes)
+        if body is None:
+            limit = self.admission.max_body_bytes
+            return self._refuse(413, self.admission.too_large(f"more than {limit}"))
+        if path == "/metrics" and request.method == "GET":
+            return await self._metrics()
         ids = prompt_ids(path, body, self.codec, self.vocab_size) if request.method == "POST" else []
         forwarded = ForwardedRequest(
             request.method,
             path,
             request.url.query,
-            tuple(request.headers.items()),
+            tuple((k, v) for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED),
             body,
-            tuple(block_hashes(ids, self.block_size, request_tenant(body) if ids else None)),
+            tuple(block_hashes(ids, self.block_size, request_tenant(key, body) if ids else None)),
+            key=key,
         )
         for attempt in range(1, self.attempts + 1):
             stream = self.replicas.handle.remote(forwarded)
@@ -170,4 +228,33 @@ class PrecacheIngress:
             event_stream = headers.get("content-type", "").startswith("text/event-stream")
             return StreamingResponse(_relay(stream, first, event_stream), start.status, headers)
         message = f"no replica could serve the request: each of {self.attempts} tries lost its replica"
-        return JSONResponse(error_body(503, message, None, "unavailable"), status_code=503)
+        return self._refuse(503, error_body(503, message, None, "unavailable"))
+
+    async def _scrape(self, replica: str | None) -> tuple[str, str]:
+        """``(replica id, its /metrics text)`` of ``replica`` (None: one the router picks)."""
+        stream = self.replicas.handle.remote(ForwardedRequest("GET", "/metrics", replica=replica))
+        start, pieces, _ = await _until_first_bytes(stream)
+        pieces += [piece async for piece in stream]
+        name = dict(start.headers).get(REPLICA_HEADER, replica or "unknown")
+        return name, b"".join(pieces).decode()
+
+    async def _metrics(self) -> Response:
+        """Every replica's ``/metrics`` merged, each sample labelled with its replica, plus the
+        ingress's own; a replica that does not answer within :data:`METRICS_TIMEOUT_S` seconds is
+        left out (``precache_cluster_replicas_reporting`` counts the replicas in)."""
+        handle = self.replicas
+        names = await asyncio.to_thread(replica_names, handle.app_name, handle.deployment_name)
+        texts: dict[str, str] = {}
+        # one at a time: the calls of one ingress request share its request id, which Ray's router
+        # uses to hand a chosen replica to its pending call (two at once: one waits forever)
+        for name in names or [None]:
+            try:
+                replica, text = await asyncio.wait_for(self._scrape(name), METRICS_TIMEOUT_S)
+            except (TimeoutError, *_REPLICA_LOST) as exc:
+                logger.warning("replica %s: no /metrics: %r", name, exc)
+                continue
+            texts.setdefault(replica, text)  # asked twice (it replaced a dead one): counted once
+        self.metrics.replicas_reporting.set(len(texts))
+        return Response(
+            merge_metrics({**texts, INGRESS: self.metrics.text()}), media_type=CONTENT_TYPE_LATEST
+        )

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from precache.cluster.routing import block_hashes
 from precache.server.app import create_app
+from precache.server.guard import KEY_SCOPE
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +28,11 @@ REPLICA_HEADER = "x-precache-replica"
 @dataclass(frozen=True)
 class ForwardedRequest:
     """An HTTP request as the ingress forwards it: ``path`` (``/v1/completions``), ``query`` (the raw
-    query string), ``headers`` (lower-case names), the raw ``body``, and ``hashes``: the block hashes
-    of the prompt's token ids (empty when it has none), which the affinity router reads."""
+    query string), ``headers`` (lower-case names; never the API key), the raw ``body``; ``hashes``:
+    the block hashes of the prompt's token ids (empty when it has none), which the affinity router
+    reads; ``key``: the fingerprint of the API key the ingress authenticated (None: none), which
+    makes the request's tenant on the replica as on one server; ``replica``: the replica that must
+    serve it (the ingress's per-replica ``/metrics``; None: the router chooses)."""
 
     method: str
     path: str
@@ -36,6 +40,8 @@ class ForwardedRequest:
     headers: tuple[tuple[str, str], ...] = ()
     body: bytes = b""
     hashes: tuple[int, ...] = field(default=(), repr=False)
+    key: str | None = field(default=None, repr=False)
+    replica: str | None = None
 
 
 @dataclass(frozen=True)
@@ -126,7 +132,7 @@ class PrecacheReplica:
 
 
 def _scope(request: ForwardedRequest) -> dict:
-    return {
+    scope = {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.3"},
         "http_version": "1.1",
@@ -140,3 +146,6 @@ def _scope(request: ForwardedRequest) -> dict:
         "client": ("127.0.0.1", 0),
         "server": ("127.0.0.1", 0),
     }
+    if request.key is not None:  # authenticated at the ingress: the replica's tenant is the key's
+        scope[KEY_SCOPE] = request.key
+    return scope

@@ -48,6 +48,10 @@ class TrajectoryAffinityRouter(RequestRouter):
         for r in candidate_replicas:
             self._refresh(r)
         forwarded = _forwarded(pending_request)
+        if forwarded is not None and forwarded.replica is not None:
+            # a request for one replica (the ingress's /metrics); gone: any, its answer names it
+            target = by_key.get(forwarded.replica)
+            return [[target]] if target is not None else [list(candidate_replicas)]
         hashes = forwarded.hashes if forwarded is not None else ()
         loads = {key: self._load(r) for key, r in by_key.items()}
         # only generation requests start trajectories; /health or /v1/models never wait for room
