@@ -471,6 +471,16 @@ def test_metrics_hold_every_replica_labelled_and_the_ingress_refusals(cluster):
     assert set(requests) == replicas and all(v >= 1 for v in requests.values())
 
 
+def test_release_idle_drops_every_idle_session_and_no_block_stays_held(cluster):
+    server, client = cluster
+    for k in range(4):
+        _complete(client, AGENTS[k % 3], _random_prompt(400 + k, 40))
+    counts = server.release_idle()
+    assert sorted(c["replica"] for c in counts) == sorted(server.replica_ids())
+    for c in counts:
+        assert c["sessions_left"] == c["jobs_left"] == 0 and c["blocks_free"] == c["blocks"] > 0, c
+
+
 def _stream(client, agent, ids, started: threading.Event, max_tokens: int) -> tuple[str, list[str]]:
     body = {"model": agent, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     with client.stream("POST", "/completions", json={**body, "ignore_eos": True}) as r:
@@ -483,7 +493,7 @@ def _stream(client, agent, ids, started: threading.Event, max_tokens: int) -> tu
 
 
 def test_a_killed_replica_loses_its_streams_only_and_its_trajectories_move(cluster):
-    _, client = cluster
+    server, client = cluster
     prompts, placed = {}, {}
     for k in range(50, 62):  # first turns until one replica holds two trajectories
         replica, body = _complete(client, "plan", _prompt(k))
@@ -499,10 +509,8 @@ def test_a_killed_replica_loses_its_streams_only_and_its_trajectories_move(clust
         quiet = pool.submit(_complete, client, "action", prompts[unanswered], long)
         stream = pool.submit(_stream, client, "reflect", prompts[streamed], started, long)
         assert started.wait(60)
-        import ray
-
-        name = f"SERVE_REPLICA::precache#PrecacheReplica#{victim}"
-        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        assert sorted(server.replica_ids()) == sorted(placed)
+        server.kill_replica(victim)
         replica, events = stream.result(timeout=60)
         retried, body = quiet.result(timeout=60)
     # the stream had started on the victim: it ends with a readable error, then [DONE]

@@ -1,7 +1,9 @@
-"""``precache bench soak``: one server under mixed, faulty load for a bounded time.
+"""``precache bench soak``: a server under mixed, faulty load for a bounded time.
 
 For ``--duration`` seconds, on loopback, against ``precache serve``'s app in this process
-(:class:`~precache.server.live.LiveServer`) with a small block pool and tight client limits:
+(:class:`~precache.server.live.LiveServer`) with a small block pool and tight client limits, or,
+with ``--replicas N``, against ``precache serve --replicas N`` on a local Ray instance (one
+replica killed half-way, as a crash would):
 
 - ``--tenants`` tenants (each its own ``cache_salt``) send completions in a loop, each a fresh
   random prompt for a random agent, greedy, streamed or not; a fifth of their streams hang up
@@ -11,12 +13,15 @@ For ``--duration`` seconds, on loopback, against ``precache serve``'s app in thi
   over a socket with a tiny receive buffer and never reads it, again and again (the server must
   hold it, then cancel it);
 - a slowloris client keeps a few sockets open that send a request's headers a byte at a time
-  (the server must time them out).
+  (one server must time them out; a cluster's connections end at Ray Serve's proxy, whose
+  behaviour is reported as measured).
 
-Afterwards it reports requests served, errors by status and code, the refusals the server
-counted, RSS over time, the tokens of every completed request that differ from the same request
-run alone on a fresh engine (must be 0: no tenant's tokens depend on the load), and the blocks
-still held once every idle conversation is dropped (must be 0: nothing leaked).
+Afterwards it reports requests served, errors by status and code, the refusals the servers
+counted, each server process's RSS over time (``process_resident_memory_bytes`` of ``/metrics``),
+the tokens of every completed request that differ from the same request run alone on a fresh
+engine (must be 0: no tenant's tokens depend on the load, nor on a replica dying), and the blocks
+still held once every idle conversation is dropped, on every live replica (must be 0: nothing
+leaked).
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -40,13 +48,6 @@ logger = logging.getLogger(__name__)
 
 PROMPT_LEN, MAX_TOKENS = 24, 8
 STALL_TOKENS = 120
-
-
-def _rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def _parse_sse(lines: list[str]) -> tuple[list[int] | None, tuple[int, str] | None]:
@@ -176,35 +177,107 @@ class _Soak:
             s.close()
 
 
-def _metrics(url: str) -> dict[str, float]:
+def _metrics(url: str) -> tuple[dict[str, float], dict[str, float]]:
+    """``(the refusal, error and request counters by sample line, each server process's RSS in MiB
+    by replica)`` of ``/metrics`` (one server: replica ``"server"``)."""
     text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=30).text
-    out: dict[str, float] = {}
+    counters: dict[str, float] = {}
+    rss: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith(("precache_refused_total", "precache_errors_total", "precache_requests_total")):
             name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+            counters[name] = float(value)
+        elif line.startswith("process_resident_memory_bytes"):
+            name, value = line.rsplit(" ", 1)
+            replica = name.split('replica="', 1)[1].split('"', 1)[0] if "replica=" in name else "server"
+            rss[replica] = round(float(value) / 2**20, 1)
+    return counters, rss
 
 
-def run_soak(model, adapters: dict, method: str, duration_s: float, tenants: int, kv_cache_bytes: int | None, seed: int,
-             verify_limit: int, stall_hold_s: float = 20.0) -> dict:  # fmt: skip
-    """Run the soak described in the module docstring; returns the report (JSON-ready).
-    ``stall_hold_s``: how long each stalled reader keeps its socket open without reading (well
-    past the server's 2 s stall timeout once its buffers are full)."""
-    from precache.server import LiveServer, ServerConfig, create_app
+@dataclass
+class _Target:
+    """The server under soak: its URL, host and port, ``release()`` (each live server's
+    :meth:`~precache.server.loop.ServerLoop.release_idle` counts, with ``"replica"``), and
+    ``kill()`` (a replica's crash; None for one server) returning the replica killed."""
+
+    url: str
+    host: str
+    port: int
+    release: Callable[[], list[dict]]
+    kill: Callable[[], str] | None = None
+
+
+@contextmanager
+def _one_server(model, adapters: dict, method: str, kv_cache_bytes: int | None, config):
+    from precache.server import LiveServer, create_app
     from precache.server.connections import ConnectionLimits
 
     engine = precache.Engine(model, adapters=adapters, method=method, kv_cache_bytes=kv_cache_bytes)
+    limits = ConnectionLimits(max_connections=64, header_timeout_s=2.0, body_timeout_s=2.0)
+    app = create_app(engine, config)
+    with LiveServer(app, limits=limits, shutdown_timeout_s=5) as server:
+
+        def release() -> list[dict]:
+            return [{"replica": "server", **app.state.loop.release_idle()}]
+
+        yield _Target(server.url, server.host, server.port, release)
+
+
+@contextmanager
+def _cluster(model_arg, adapters: dict, method: str, kv_cache_bytes: int | None, config, replicas: int):
+    from precache.cluster import require_ray
+
+    require_ray()
+    from precache.cluster.app import ClusterConfig, ClusterServer, EngineSpec, checkpoint_app, local_cpus
+    from precache.models.loader import resolve_checkpoint
+
+    folder = resolve_checkpoint(model_arg)
+    folders = {name: str(Path(path).resolve()) for name, path in adapters.items()}
+    spec = EngineSpec(str(folder), folders, method, kv_cache_bytes)
+    cluster = ClusterConfig(replicas=replicas, num_cpus_per_replica=1.0, shutdown_timeout_s=5.0)
+    app = checkpoint_app(folder, spec, config, cluster)
+    with ClusterServer(app, port=0, num_cpus=local_cpus(cluster)) as server:
+        killed: list[str] = []
+
+        def kill() -> str:
+            killed.append(server.replica_ids()[0])
+            server.kill_replica(killed[-1])
+            return killed[-1]
+
+        def release() -> list[dict]:
+            deadline = time.monotonic() + 120  # Ray Serve replaces a killed replica: wait for it
+            while time.monotonic() < deadline:
+                ids = server.replica_ids()
+                if len(ids) == replicas and not set(killed) & set(ids):
+                    break
+                time.sleep(0.5)
+            return server.release_idle()
+
+        yield _Target(server.url, server.host, server.port, release, kill)
+
+
+def run_soak(model, adapters: dict, method: str, duration_s: float, tenants: int, kv_cache_bytes: int | None, seed: int,
+             verify_limit: int, stall_hold_s: float = 20.0, replicas: int | None = None, model_arg=None) -> dict:  # fmt: skip
+    """Run the soak described in the module docstring; returns the report (JSON-ready).
+    ``model`` is the loaded model (the verification engine's, and one server's); with
+    ``replicas``, each replica loads ``model_arg`` (a checkpoint path; None: the embedded model)
+    itself. ``stall_hold_s``: how long each stalled reader keeps its socket open without reading
+    (well past the servers' 2 s stall timeout once its buffers are full)."""
+    from precache.server import ServerConfig
+
     config = ServerConfig(
         model_name="base", stream_buffer_events=16, stream_stall_timeout_s=2.0, max_requests_in_flight=64
     )
-    limits = ConnectionLimits(max_connections=64, header_timeout_s=2.0, body_timeout_s=2.0)
-    app = create_app(engine, config)
     special = set(getattr(model.tokenizer, "all_special_ids", []) or [])
     vocab = [i for i in range(model.config.vocab_size) if i not in special]
-    rss: list[tuple[float, float]] = []
-    t0 = time.monotonic()
-    with LiveServer(app, limits=limits, shutdown_timeout_s=5) as server:
+    rss: list[tuple[float, dict[str, float]]] = []
+    killed, killed_at = None, None
+    if replicas:
+        target = _cluster(model_arg, adapters, method, kv_cache_bytes, config, replicas)
+    else:
+        target = _one_server(model, adapters, method, kv_cache_bytes, config)
+    with target as server:
+        t0 = time.monotonic()
         soak = _Soak(server.url, list(adapters), vocab, tenants, seed, t0 + duration_s)
         threads = [threading.Thread(target=soak.tenant, args=(i,)) for i in range(tenants)]
         threads.append(
@@ -214,16 +287,15 @@ def run_soak(model, adapters: dict, method: str, duration_s: float, tenants: int
         for t in threads:
             t.start()
         while any(t.is_alive() for t in threads):
-            rss.append((round(time.monotonic() - t0, 1), round(_rss_mib(), 1)))
-            time.sleep(1.0)
-        scheduler = app.state.loop
-        deadline = time.monotonic() + 60
-        while sum(scheduler.call(lambda pool: scheduler.load()).result(30)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        scheduler.call(lambda pool: pool.reclaim(10**9)).result(30)
-        allocator = engine.pool.allocator
-        leaked = allocator.num_blocks - allocator.num_available
-        metrics = _metrics(server.url)
+            elapsed = time.monotonic() - t0
+            if server.kill is not None and killed is None and elapsed >= duration_s / 2:
+                killed, killed_at = server.kill(), round(elapsed, 1)
+                logger.info("killed replica %s at %.1f s", killed, elapsed)
+            rss.append((round(elapsed, 1), _metrics(server.url)[1]))
+            time.sleep(2.0)
+        released = server.release()
+        metrics, last_rss = _metrics(server.url)
+        rss.append((round(time.monotonic() - t0, 1), last_rss))
     # every completed request again, alone, on a fresh engine of the same method
     alone_engine = precache.Engine(model, adapters=adapters, method=method)
     checked = soak.completed[:verify_limit]
@@ -240,8 +312,11 @@ def run_soak(model, adapters: dict, method: str, duration_s: float, tenants: int
         "method": method,
         "duration_s": duration_s,
         "tenants": tenants,
+        "replicas": replicas,
+        "replica_killed": killed,
+        "replica_killed_at_s": killed_at,
         "kv_cache_bytes": kv_cache_bytes,
-        "pool_blocks": engine.pool.allocator.num_blocks,
+        "pool_blocks": {r["replica"]: r["blocks"] for r in released},
         "outcomes": dict(sorted(soak.outcomes.items())),
         "completed": len(soak.completed),
         "checked_alone": len(checked),
@@ -250,14 +325,19 @@ def run_soak(model, adapters: dict, method: str, duration_s: float, tenants: int
         "slowloris_sockets_closed": soak.slowloris_closed,
         "server_metrics": metrics,
         "rss_mib": rss,
-        "blocks_leaked": leaked,
+        "released": released,
+        "blocks_leaked": sum(r["blocks"] - r["blocks_free"] for r in released),
+        "sessions_left": sum(r["sessions_left"] + r["jobs_left"] for r in released),
     }
 
 
 def _table(result: dict):
     from rich.table import Table
 
-    table = Table(title=f"soak: {result['method']}, {result['duration_s']:g} s, {result['tenants']} tenants")
+    where = f"{result['replicas']} replicas" if result.get("replicas") else "one server"
+    table = Table(
+        title=f"soak: {result['method']}, {where}, {result['duration_s']:g} s, {result['tenants']} tenants"
+    )
     table.add_column("measure")
     table.add_column("value", justify="right")
     for k, v in result["outcomes"].items():
@@ -265,10 +345,18 @@ def _table(result: dict):
     for k, v in result["server_metrics"].items():
         if "refused" in k or "errors" in k:
             table.add_row(f"server counted: {k}", f"{v:g}")
-    rss = [m for _, m in result["rss_mib"]]
-    table.add_row(
-        "RSS MiB (first / max / last)", f"{rss[0]:.0f} / {max(rss):.0f} / {rss[-1]:.0f}" if rss else "-"
-    )
+    series: dict[str, list[float]] = {}
+    for _, by_replica in result["rss_mib"]:
+        for replica, mib in by_replica.items():
+            series.setdefault(replica, []).append(mib)
+    for replica, mib in series.items():
+        table.add_row(
+            f"RSS MiB of {replica} (first / max / last)", f"{mib[0]:.0f} / {max(mib):.0f} / {mib[-1]:.0f}"
+        )
+    if result.get("replica_killed"):
+        table.add_row(
+            "replica killed at (s)", f"{result['replica_killed']} at {result['replica_killed_at_s']:g}"
+        )
     table.add_row(
         "stalled readers / slowloris sockets closed",
         f"{result['stalled_readers']} / {result['slowloris_sockets_closed']}",
@@ -277,7 +365,10 @@ def _table(result: dict):
         "tokens differing from the request alone (must be 0)",
         f"{result['tokens_differing_from_alone']} (over {result['checked_alone']} requests)",
     )
-    table.add_row("blocks leaked (must be 0)", str(result["blocks_leaked"]))
+    table.add_row(
+        f"blocks leaked over {len(result['released'])} live server(s) (must be 0)",
+        str(result["blocks_leaked"]),
+    )
     return table
 
 
@@ -297,16 +388,21 @@ def _bench_soak(args: argparse.Namespace) -> int:
         args.kv_cache_bytes,
         args.seed,
         args.verify_limit,
+        replicas=args.replicas,
+        model_arg=args.model,
     )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     console().print(_table(result))
-    return 0 if result["blocks_leaked"] == 0 and result["tokens_differing_from_alone"] == 0 else 1
+    clean = result["blocks_leaked"] == 0 and result["sessions_left"] == 0
+    return 0 if clean and result["tokens_differing_from_alone"] == 0 else 1
 
 
 def add_bench_soak(bench_sub: argparse._SubParsersAction) -> None:
     """Register ``soak`` on the ``precache bench`` sub-parsers."""
-    p = bench_sub.add_parser("soak", help="one server under mixed, faulty load for a bounded time")
+    p = bench_sub.add_parser(
+        "soak", help="a server (or --replicas N) under mixed, faulty load for a bounded time"
+    )
     p.add_argument("--duration", type=positive_float, default=60.0, help="seconds of load (default 60)")
     p.add_argument("--tenants", type=positive_int, default=4, help="tenants sending in a loop (default 4)")
     p.add_argument("--method", default="prelrshared", help="sharing method (default prelrshared)")
@@ -321,6 +417,12 @@ def add_bench_soak(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--verify-limit", type=positive_int, default=200, help="completed requests re-run alone (default 200)"
+    )
+    p.add_argument(
+        "--replicas",
+        type=positive_int,
+        default=None,
+        help="serve on N Ray Serve replicas (precache[cluster]) and kill one half-way",
     )
     p.add_argument("--json", required=True, help="the report")
     p.set_defaults(func=_bench_soak)

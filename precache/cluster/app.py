@@ -26,8 +26,8 @@ from ray.serve.config import RequestRouterConfig
 from transformers import AutoConfig, AutoTokenizer
 
 import precache
-from precache.cluster.ingress import PrecacheIngress
-from precache.cluster.replica import PrecacheReplica
+from precache.cluster.ingress import PrecacheIngress, replica_names
+from precache.cluster.replica import ForwardedRequest, PrecacheReplica
 from precache.cluster.routing import DEFAULT_ROUTING_BLOCK
 from precache.models.loader import checkpoint_name, resolve_checkpoint
 from precache.server.cli import adapters_from_args, api_keys_from_args
@@ -170,6 +170,19 @@ def build_app(
     )
 
 
+def checkpoint_app(folder: Path, spec: EngineSpec, server_config, cluster: ClusterConfig):
+    """:func:`build_app` for the HF checkpoint ``folder`` that ``spec`` loads in each replica: its
+    tokenizer (none without ``tokenizer_config.json``: token-id prompts only), vocabulary and
+    context length read here."""
+    tokenizer = (
+        AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None
+    )
+    hf_config = AutoConfig.from_pretrained(folder)
+    return build_app(
+        spec, tokenizer, hf_config.vocab_size, hf_config.max_position_embeddings, server_config, cluster
+    )
+
+
 class ClusterServer:
     """``with ClusterServer(app, port=0) as server: server.url`` runs ``app`` on Ray Serve: it joins
     the cluster at ``ray_address`` or starts a local Ray instance (``num_cpus``: its CPUs; by
@@ -201,6 +214,38 @@ class ClusterServer:
         serve.start(http_options={"host": self.host, "port": self.port})
         serve.run(self.app, name=APP_NAME, route_prefix="/")
         return self
+
+    def replica_ids(self) -> list[str]:
+        """The Ray Serve ids of the engine replicas now (as the ``x-precache-replica`` header)."""
+        return replica_names(APP_NAME, REPLICA_DEPLOYMENT)
+
+    def kill_replica(self, replica_id: str) -> None:
+        """Kill replica ``replica_id``'s actor, as a crash would (Ray Serve starts another)."""
+        name = f"SERVE_REPLICA::{APP_NAME}#{REPLICA_DEPLOYMENT}#{replica_id}"
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+    def release_idle(self, timeout_s: float = 120.0) -> list[dict]:
+        """Each replica's :meth:`~precache.cluster.replica.PrecacheReplica.release_idle`, in turn.
+
+        Raises:
+            TimeoutError: a replica was not reachable through the router within ``timeout_s``
+                seconds (a new replica joins the router's list a moment after its actor exists).
+        """
+        handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, APP_NAME)
+        deadline = time.monotonic() + timeout_s
+        counts = []
+        for replica in self.replica_ids():
+            while True:
+                answer = handle.release_idle.remote(ForwardedRequest("GET", "", replica=replica)).result(
+                    timeout_s=timeout_s
+                )
+                if answer["replica"] == replica:  # else the router did not know it yet: another answered
+                    counts.append(answer)
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"replica {replica} not reachable through the router")
+                time.sleep(0.5)
+        return counts
 
     def stop(self) -> None:
         serve.delete(APP_NAME)
@@ -253,10 +298,6 @@ def serve_from_args(args) -> int:
         max_request_bytes=args.max_request_bytes,
         trust_client_special_tokens=args.trust_client_special_tokens,
     )
-    tokenizer = (
-        AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None
-    )
-    hf_config = AutoConfig.from_pretrained(folder)
     adapters = {name: str(Path(p).resolve()) for name, p in adapters_from_args(args).items()}
     gpus = args.num_gpus_per_replica or 0.0
     device = args.device or ("cuda" if gpus > 0 else None)
@@ -268,9 +309,7 @@ def serve_from_args(args) -> int:
         max_ongoing_requests=args.max_num_seqs,
         shutdown_timeout_s=args.shutdown_timeout,
     )
-    app = build_app(
-        spec, tokenizer, hf_config.vocab_size, hf_config.max_position_embeddings, server_config, cluster
-    )
+    app = checkpoint_app(folder, spec, server_config, cluster)
     init = {} if args.ray_address else {"num_cpus": local_cpus(cluster)}
     with ClusterServer(app, args.host, args.port, args.ray_address, **init) as server:
         logger.info(

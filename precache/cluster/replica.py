@@ -125,6 +125,13 @@ class PrecacheReplica:
         active, pending = await asyncio.wrap_future(self.loop.call(lambda _: self.loop.load()))
         return {**stats, "active": active, "pending": pending}
 
+    async def release_idle(self, request: ForwardedRequest) -> dict:
+        """``bench soak``'s leak check, reached only through a Ray handle, routed to
+        ``request.replica``: once nothing is in flight, drop every idle session and count the KV
+        blocks (:meth:`~precache.server.loop.ServerLoop.release_idle`), with ``"replica"`` added."""
+        counts = await asyncio.to_thread(self.loop.release_idle)
+        return {"replica": self.name, **counts}
+
     def __del__(self):
         loop = getattr(self, "loop", None)
         if loop is not None:

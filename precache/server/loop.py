@@ -118,6 +118,30 @@ class ServerLoop:
         self._inbox.put(("call", (fn, future)))
         return future
 
+    def release_idle(self, timeout_s: float = 60.0) -> dict[str, int]:
+        """Wait until no job is in flight (up to ``timeout_s`` seconds), drop every idle session and
+        count the engine's KV blocks: ``{"blocks", "blocks_free", "sessions_left", "jobs_left"}``
+        (blocks published for prefix reuse count as free). Once every session is gone, ``blocks -
+        blocks_free`` blocks held by nothing have leaked: ``bench soak``'s check. Call it from any
+        thread but the loop's.
+        """
+        deadline = time.monotonic() + timeout_s
+        while sum(self.call(lambda _: self.load()).result(timeout_s)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+        def drop(pool: SessionPool) -> dict[str, int]:
+            pool.reclaim(10**9)
+            allocator = pool.engine.pool.allocator
+            active, pending = self.load()
+            return {
+                "blocks": allocator.num_blocks,
+                "blocks_free": allocator.num_available,
+                "sessions_left": len(pool.entries),
+                "jobs_left": active + pending,
+            }
+
+        return self.call(drop).result(timeout_s)
+
     def remove_adapter(self, name: str) -> None:
         """Unload adapter ``name`` on the loop thread, after every job queued before this call was
         taken in (any thread; waits for the answer).

@@ -9,6 +9,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
 
@@ -22,12 +23,14 @@ class ServerMetrics:
     running, waiting and held requests, and the connections and requests refused or cut for slow
     or stalled clients by reason (``precache_refused_total``: ``max_connections``,
     ``header_timeout``, ``body_timeout``, ``max_requests_in_flight``, ``stream_stalled``,
-    ``draining``), and the streams held for a client that stopped reading
-    (``precache_streams_held_total``)."""
+    ``draining``), the streams held for a client that stopped reading
+    (``precache_streams_held_total``), and prometheus_client's process metrics
+    (``process_resident_memory_bytes``, CPU seconds, open file descriptors; on Linux)."""
 
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds (Linux)
         self.ttft = Histogram(
             "precache_time_to_first_token_seconds",
             "Arrival to first token",
