@@ -130,9 +130,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--quantization", default=None, choices=("int8",), help="int8 weight-only")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = precache.load_model(dtype=getattr(torch, args.dtype))
+    model = precache.load_model(dtype=getattr(torch, args.dtype), quantization=args.quantization)
     clock = Clock()
     clock.wrap(precache.Engine, "step", "step")
     clock.wrap(plan_module, "run_plans", "run_plans")
@@ -155,7 +156,7 @@ def main() -> None:
             step_s, parts = profile(engine, "plan", "action", batch, args.context, args.steps, clock)
             rows.append((method, batch, step_s, parts))
     print(
-        f"decode step, SmolLM2 {args.dtype}, qv adapters, {args.context} tokens of context, {args.threads} threads"
+        f"decode step, SmolLM2 {args.dtype}{' int8 weights' if args.quantization else ''}, qv adapters, {args.context} tokens of context, {args.threads} threads"
     )
     print("| method | batch | step (ms) | tok/s | " + " | ".join(PARTS) + " |")
     print("|---|---|---|---|" + "---|" * len(PARTS))

@@ -43,15 +43,31 @@ def positive_float(text: str) -> float:
 DTYPES = ("float32", "bfloat16")
 
 
+#: ``--quantization``: ``precache.models.quant.QUANTIZATIONS`` (spelled here: the parser needs no torch)
+QUANTIZATIONS = ("int8",)
+
+
 def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
     """``--dtype float32 | bfloat16`` (default: ``precache.load_model``'s, bfloat16 on CUDA and
-    float32 on a CPU; README, "Precision on CPU")."""
+    float32 on a CPU) and ``--quantization int8`` (int8 weight-only on a CPU); README, "Precision
+    on CPU"."""
     parser.add_argument(
         "--dtype",
         choices=DTYPES,
         default=None,
         help="weights, compute and KV caches (default: bfloat16 on CUDA, float32 on CPU)",
     )
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="int8: the projections and LM head as int8 weight-only, on a CPU (compute and KV caches stay at --dtype)",
+    )
+
+
+def model_options(args: argparse.Namespace) -> dict:
+    """``load_model``'s ``dtype`` and ``quantization`` from ``--dtype`` and ``--quantization``."""
+    return {"dtype": dtype_of(args), "quantization": getattr(args, "quantization", None)}
 
 
 def dtype_of(args: argparse.Namespace):

@@ -30,7 +30,7 @@ from precache.agents.evaluate import evaluate
 from precache.agents.formcheck import format_markdown, formcheck_markdown, run_formcheck
 from precache.agents.loop import run_episode
 from precache.agents.train import train_adapters
-from precache.cli_args import add_dtype_argument, dtype_of, positive_int
+from precache.cli_args import add_dtype_argument, model_options, positive_int
 from precache.errors import AdapterError
 from precache.methods import METHOD_REGISTRY
 from precache.resources import ADAPTER_ROOT, ADAPTER_SETS, adapter_set
@@ -93,7 +93,7 @@ def _check(args: argparse.Namespace) -> int:
 def _engine(args: argparse.Namespace, method: str, adapters: dict[str, Path], model=None):
     """A precache engine with ``adapters``; loads ``args.model`` unless given ``model``."""
     if model is None:
-        model = precache.load_model(args.model, dtype=dtype_of(args))
+        model = precache.load_model(args.model, **model_options(args))
     return precache.Engine(model, adapters=adapters, method=method)
 
 

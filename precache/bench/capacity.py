@@ -21,7 +21,7 @@ import torch
 import precache
 from precache.bench.common import add_common_args, methods_with_reference, special_ids, write_results
 from precache.bench.trace import Trace, load_trace, paper_trace, token_stream
-from precache.cli_args import dtype_of
+from precache.cli_args import model_options
 from precache.errors import OutOfBlocksError
 from precache.methods import METHODS
 from precache.resources import adapter_set, trace_path
@@ -97,7 +97,7 @@ def _bench_capacity(args: argparse.Namespace) -> int:
     trace = paper_trace(args.paper_len) if args.trace is None else load_trace(trace_path(args.trace))
     adapters = adapter_set(args.adapters, trace.agents)
     methods = methods_with_reference(args.methods)
-    model = precache.load_model(args.model, dtype=dtype_of(args))
+    model = precache.load_model(args.model, **model_options(args))
     special = special_ids(model)
 
     def streams(i: int) -> list[list[int]]:

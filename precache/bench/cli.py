@@ -28,7 +28,7 @@ from precache.bench.soak import add_bench_soak
 from precache.bench.study import add_study
 from precache.bench.suite import run_suite
 from precache.bench.trace import check_fits, load_trace, token_stream
-from precache.cli_args import dtype_of, positive_int
+from precache.cli_args import model_options, positive_int
 from precache.errors import PrecacheError
 from precache.methods import METHODS
 from precache.resources import adapter_set, trace_path
@@ -61,7 +61,7 @@ def _bench_trace(args: argparse.Namespace) -> int:
         max_context=args.max_context,
         device=args.device,
         require_tokenizer=False,
-        dtype=dtype_of(args),
+        **model_options(args),
     )
     check_fits(trace, model.max_context)
     stream = token_stream(trace, model.config.vocab_size, special_ids(model), args.seed)
@@ -105,7 +105,7 @@ def _fidelity(args: argparse.Namespace) -> int:
     benchmark = get_benchmark(args.benchmark)
     adapters = adapter_set(benchmark.adapters(args.adapters), ["plan", "action", "reflect"])
     questions = benchmark.load_questions(args.split)[: args.limit]
-    model = precache.load_model(args.model, dtype=dtype_of(args))
+    model = precache.load_model(args.model, **model_options(args))
     # each method computes every turn itself: the reference and the teacher-forced runs share a prompt
     engines = {m: precache.Engine(model, adapters=adapters, method=m, prefix_caching=False) for m in methods}
     result = run_fidelity(

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 import precache
 from precache.bench.common import add_common_args, hf_model_of, write_results
-from precache.cli_args import dtype_of
+from precache.cli_args import model_options
 from precache.methods import METHOD_REGISTRY
 from precache.resources import adapter_set
 
@@ -62,7 +62,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     adapters = adapter_set(args.adapters, [args.agent])
     method = METHOD_REGISTRY.canonical(args.method)
-    model = precache.load_model(args.model, dtype=dtype_of(args))
+    model = precache.load_model(args.model, **model_options(args))
     g = torch.Generator().manual_seed(args.seed)
     prompts = [
         torch.randint(10, 10_000, (args.prompt_len,), generator=g).tolist() for _ in range(args.concurrency)

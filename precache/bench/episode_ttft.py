@@ -17,7 +17,7 @@ import precache
 from precache.agents.data import load_questions
 from precache.agents.loop import run_episode
 from precache.bench.common import add_common_args, methods_with_reference, write_results
-from precache.cli_args import dtype_of
+from precache.cli_args import model_options
 from precache.engine.concurrency import run_concurrently
 from precache.engine.request import Turn
 from precache.methods import METHODS
@@ -77,7 +77,7 @@ def _bench_episodes(args: argparse.Namespace) -> int:
     questions = load_questions(args.split)[: args.limit]
     adapters = adapter_set(args.adapters, ["plan", "action", "reflect"])
     methods = methods_with_reference(args.methods)
-    model = precache.load_model(args.model, dtype=dtype_of(args))
+    model = precache.load_model(args.model, **model_options(args))
     # every method replays the same recorded stream: no trajectory may reuse another's blocks
     engines = {m: precache.Engine(model, adapters=adapters, method=m, prefix_caching=False) for m in methods}
     record = engines["nonshared"]

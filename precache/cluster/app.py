@@ -108,10 +108,13 @@ class EngineSpec:
     kv_cache_bytes: int | None = None
     dtype: str | None = None  # a torch dtype name; None: the loader's default
     device: str | None = None
+    quantization: str | None = None  # "int8": int8 weight-only (precache.models.quant)
 
     def __call__(self):
         dtype = getattr(torch, self.dtype) if self.dtype else None
-        model = precache.load_model(self.model, dtype=dtype, device=self.device)
+        model = precache.load_model(
+            self.model, dtype=dtype, device=self.device, quantization=self.quantization
+        )
         return precache.Engine(
             model, adapters=self.adapters, method=self.method, kv_cache_bytes=self.kv_cache_bytes
         )
@@ -301,7 +304,9 @@ def serve_from_args(args) -> int:
     adapters = {name: str(Path(p).resolve()) for name, p in adapters_from_args(args).items()}
     gpus = args.num_gpus_per_replica or 0.0
     device = args.device or ("cuda" if gpus > 0 else None)
-    spec = EngineSpec(str(folder), adapters, args.method, args.kv_cache_bytes, args.dtype, device)
+    spec = EngineSpec(
+        str(folder), adapters, args.method, args.kv_cache_bytes, args.dtype, device, args.quantization
+    )
     cluster = ClusterConfig(
         replicas=args.replicas or 1,
         num_cpus_per_replica=1.0 if args.num_cpus_per_replica is None else args.num_cpus_per_replica,

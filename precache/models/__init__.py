@@ -13,6 +13,7 @@ from precache.models.config import MODEL_REGISTRY, ModelConfig
 from precache.models.contract import AttentionBackend, LayerInput, Row
 from precache.models.llama import DenseAttention, LlamaModel, dense_logits
 from precache.models.loader import checkpoint_name, embedded_checkpoint, resolve_checkpoint
+from precache.models.quant import QUANTIZATIONS, check_quantization
 
 #: files any of which makes a checkpoint folder carry a tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -24,6 +25,7 @@ def load_model(
     device: str | None = None,
     max_context: int | None = None,
     require_tokenizer: bool = True,
+    quantization: str | None = None,
 ) -> LlamaModel:
     """Load a Llama-family model with its tokenizer, chat template and generation config.
 
@@ -36,11 +38,18 @@ def load_model(
     ``generation_config.json``, when the folder has one, is kept as ``model.generation_config``
     (its ``eos_token_id`` s end turns, as in HF ``generate``). A folder without tokenizer files is
     refused unless ``require_tokenizer=False`` (the model then takes token ids only).
+    ``quantization="int8"`` holds the projections and the LM head as int8 weight-only on a CPU
+    (:mod:`precache.models.quant`; compute and KV caches stay at ``dtype``).
 
     Raises:
         ModelLoadError: the path is missing, malformed, not a Llama-family architecture, has a
-            config field we do not implement, or has no (readable) tokenizer.
+            config field we do not implement, or has no (readable) tokenizer; ``quantization`` is
+            not one precache runs on ``device``.
     """
+    try:
+        check_quantization(quantization, device)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
     if dtype is None:
         dtype = torch.bfloat16 if torch.device(device or "cpu").type == "cuda" else torch.float32
     folder = resolve_checkpoint(path)
@@ -55,7 +64,11 @@ def load_model(
     def build() -> LlamaModel:
         hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
         hf_model.config._name_or_path = checkpoint_name(folder)  # a converted GGUF's folder is a hash
-        return model_from_hf(hf_model, tokenizer, folder, device, max_context, generation_config)
+        model = model_from_hf(hf_model, tokenizer, folder, device, max_context, generation_config)
+        del hf_model  # its dense weights: the int8 ones replace them
+        if quantization is not None:
+            model.quantize(quantization)
+        return model
 
     return on_compute(build)  # on the thread that will run its forwards (precache.compute)
 
@@ -113,6 +126,7 @@ __all__ = [
     "LayerInput",
     "LlamaModel",
     "ModelConfig",
+    "QUANTIZATIONS",
     "Row",
     "dense_logits",
     "embedded_checkpoint",

@@ -17,6 +17,7 @@ from transformers.activations import ACT2FN
 from precache.errors import ContextLengthError, ModelLoadError
 from precache.models.config import MODEL_REGISTRY, ModelConfig
 from precache.models.contract import AttentionBackend, LayerInput, Row
+from precache.models.quant import Int8Weight, check_quantization
 from precache.models.rope import RotaryEmbedding, static_position_limit
 
 logger = logging.getLogger(__name__)
@@ -45,8 +46,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     batched product spreads the slices over the ``T`` threads; each output is the same dot product
     over ``d_in``, equal to ``F.linear``'s up to float rounding (relative error below 1e-6,
     ``tests/test_forward.py``). Other devices, dtypes (bf16 already runs on every thread),
-    and more than :data:`SPLIT_LINEAR_MAX_ROWS` rows keep ``F.linear``.
+    and more than :data:`SPLIT_LINEAR_MAX_ROWS` rows keep ``F.linear``. An
+    :class:`~precache.models.quant.Int8Weight` runs its own int8 kernel.
     """
+    if isinstance(weight, Int8Weight):  # int8 weight-only (precache.models.quant)
+        y = weight.matmul(x)
+        return y if bias is None else y.add_(bias)
     parts = torch.get_num_threads()
     n_out = weight.shape[0]
     if (
@@ -110,7 +115,7 @@ class LlamaModel:
         ModelLoadError: ``max_context`` is past the static range of a dynamic / longrope RoPE.
 
     Attributes: ``config`` (:class:`ModelConfig`), ``hf_config``, ``tokenizer``, ``rope``,
-    ``dtype``, ``device``, ``path`` (checkpoint folder), ``max_context`` (tokens),
+    ``dtype`` (the compute dtype), ``quantization`` (None, or ``"int8"``: :meth:`quantize`), ``device``, ``path`` (checkpoint folder), ``max_context`` (tokens),
     ``generation_config`` (``transformers.GenerationConfig`` or None: its ``eos_token_id`` s stop
     turns).
     """
@@ -136,6 +141,7 @@ class LlamaModel:
         self.max_context = _max_context(hf_config, config, max_context)
         self.act = ACT2FN[config.hidden_act]
         self.rope = RotaryEmbedding(hf_config, config.head_dim, self.max_context, self.dtype, self.device)
+        self.quantization: str | None = None  # "int8" after quantize()
 
     def _layer_weights(self, state: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
         p, c = f"model.layers.{i}.", self.config
@@ -164,6 +170,27 @@ class LlamaModel:
             "down_proj": state[f"{p}mlp.down_proj.weight"],
             "down_proj_bias": get(f"{p}mlp.down_proj.bias"),
         }
+
+    #: the weight matrices :meth:`quantize` stores at lower precision (norms, biases and the
+    #: embedding lookup stay at the compute dtype)
+    QUANTIZED = ("qkv", "o_proj", "gate_up", "down_proj")
+
+    def quantize(self, quantization: str) -> None:
+        """Hold every projection and the LM head as ``quantization`` (``"int8"``: int8 weight-only,
+        :mod:`precache.models.quant`); the embedding lookup, norms, biases, LoRA adapters and the
+        KV caches stay at ``self.dtype``. A tied LM head gets an int8 copy of the embedding.
+
+        Raises:
+            ValueError: an unknown ``quantization``, or the weights are not on the CPU.
+        """
+        check_quantization(quantization, str(self.device))
+        for w in self.layers:
+            for name in self.QUANTIZED:
+                if not isinstance(w[name], Int8Weight):
+                    w[name] = Int8Weight.quantize(w[name])
+        if not isinstance(self.lm_head, Int8Weight):
+            self.lm_head = Int8Weight.quantize(self.lm_head)
+        self.quantization = quantization
 
     def finish_kv(self, layer: int, k_lin, v_lin, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """``(K after k-norm and RoPE, V)`` ``[n, n_kv_heads, head_dim]`` from linear projections."""

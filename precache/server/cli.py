@@ -14,7 +14,7 @@ import socket
 from pathlib import Path
 
 import precache
-from precache.cli_args import add_dtype_argument, dtype_of, positive_float, positive_int
+from precache.cli_args import add_dtype_argument, model_options, positive_float, positive_int
 from precache.errors import AdapterError, PrecacheError
 from precache.methods import METHOD_REGISTRY
 from precache.resources import adapter_set
@@ -120,7 +120,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_model_from_args(args: argparse.Namespace):
     """The model of ``--model/--dtype/--device`` (raises ModelLoadError)."""
-    return precache.load_model(args.model, dtype=dtype_of(args), device=args.device)
+    return precache.load_model(args.model, **model_options(args), device=args.device)
 
 
 def served_model_name(args: argparse.Namespace, model) -> str:

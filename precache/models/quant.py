@@ -1,0 +1,79 @@
+"""Weights at lower precision for the CPU: int8 weight-only (``load_model(quantization="int8")``,
+``--quantization int8`` on every command that loads a model).
+
+Each weight matrix ``W`` ``[d_out, d_in]`` is stored as int8 ``Q`` with one scale per output row
+(symmetric, per channel, as torchao's int8 weight-only scheme and llama.cpp's q8_0 in blocks of
+the whole row):
+
+    s_o = bf16(max_i |W_oi| / 127),    Q_oi = clamp(round(W_oi / s_o), -127, 127)
+
+so ``W ≈ s ⊙ Q`` with an error of at most ``s_o / 2`` per entry. A product ``x Wᵀ`` runs as
+``(bf16(x) Qᵀ) ⊙ s`` in PyTorch's own int8 weight-only kernel (``aten._weight_int8pack_mm``, the
+CPU kernel gpt-fast uses), and its result goes back to the compute dtype: the norms, attention,
+LoRA terms and KV caches stay at the compute dtype (fp32 by default on a CPU). A decode step reads
+a quarter of fp32's weight bytes. The error against fp32 is measured in benchmarks/RESULTS.md
+("Issue 22", "int8 weight-only").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: the weight precisions ``load_model(quantization=...)`` accepts (None: the weights at ``dtype``)
+QUANTIZATIONS = ("int8",)
+_QMAX = 127
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A weight matrix as int8 ``qweight`` ``[d_out, d_in]`` and bf16 ``scales`` ``[d_out]``
+    (module docstring: the formula). Built by :meth:`quantize`; used by
+    :func:`precache.models.llama.linear` in place of a dense weight."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
+        """Per-output-row symmetric int8 of ``weight`` ``[d_out, d_in]`` (any float dtype). The
+        scale is rounded to bf16 first, so ``dequantize()`` is exactly what the kernel multiplies."""
+        w = weight.detach().float()
+        scales = (w.abs().amax(dim=1) / _QMAX).clamp(min=torch.finfo(torch.bfloat16).tiny)
+        scales = scales.to(torch.bfloat16)
+        q = torch.round(w / scales.float()[:, None]).clamp(-_QMAX, _QMAX).to(torch.int8)
+        return cls(q.contiguous(), scales.contiguous())
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``s ⊙ Q`` ``[d_out, d_in]`` at ``dtype``: the weight this int8 weight stands for."""
+        return (self.qweight.float() * self.scales.float()[:, None]).to(dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x Wᵀ`` for ``x`` ``[N, d_in]``: ``[N, d_out]`` at ``x``'s dtype, the product in bf16
+        with fp32 accumulation (``aten._weight_int8pack_mm``)."""
+        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.qweight, self.scales)
+        return y.to(x.dtype)
+
+    def nbytes(self) -> int:
+        """Bytes held: the int8 matrix and the scales."""
+        return self.qweight.numel() + 2 * self.scales.numel()
+
+
+def check_quantization(quantization: str | None, device: str | None) -> None:
+    """Refuse a ``quantization`` precache does not run (on ``device``), naming it.
+
+    Raises:
+        ValueError: not one of :data:`QUANTIZATIONS`, or int8 off the CPU (its kernel here is the
+            CPU one).
+    """
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r}: precache runs {', '.join(QUANTIZATIONS)} only")
+    if torch.device(device or "cpu").type != "cpu":
+        raise ValueError(f"quantization {quantization!r} runs on the CPU only, not on {device}")
