@@ -12,3 +12,9 @@ done
 "$P" bench trace --trace paper_L1024 --adapters qv --methods $M --dtype bfloat16 \
   --baselines llama-cpp-q8_0,llama-cpp-q8_0-1slot --repeats 3 --threads 2 \
   --json "$OUT/llama_cpp_paper_L1024_bf16.json"
+# int8 weight-only (precache --quantization int8) against llama.cpp q8_0 and f32, one slot per agent
+for trace in short_turns paper_L1024; do
+  "$P" bench trace --trace "$trace" --adapters qv --methods $M --quantization int8 \
+    --baselines llama-cpp-q8_0,llama-cpp-f32 --repeats 3 --threads 2 \
+    --json "$OUT/llama_cpp_${trace}_int8.json"
+done

@@ -21,7 +21,8 @@ def report(path: str) -> str:
         d = json.load(f)
     cfg = d.get("config", {})
     out = [
-        f"`{path}`: trace {d['trace']}, dtype {cfg.get('dtype') or 'float32'}, {d['repeats']} repeats "
+        f"`{path}`: trace {d['trace']}, dtype {cfg.get('dtype') or 'float32'}"
+        f"{', int8 weights' if cfg.get('quantization') else ''}, {d['repeats']} repeats "
         f"(min / median / max)",
         "",
         "| method | sum TTFT (s) | sum latency (s) | decode (tok/s) | prefill tokens | peak KV (MiB) |",

@@ -7,9 +7,10 @@ the whole row):
 
     s_o = bf16(max_i |W_oi| / 127),    Q_oi = clamp(round(W_oi / s_o), -127, 127)
 
-so ``W ≈ s ⊙ Q`` with an error of at most ``s_o / 2`` per entry. A product ``x Wᵀ`` runs as
-``(bf16(x) Qᵀ) ⊙ s`` in PyTorch's own int8 weight-only kernel (``aten._weight_int8pack_mm``, the
-CPU kernel gpt-fast uses), and its result goes back to the compute dtype: the norms, attention,
+so ``W ≈ s ⊙ Q`` with an error of at most ``s_o / 2`` per entry. A decode product ``x Wᵀ`` runs
+as ``(bf16(x) Qᵀ) ⊙ s`` in PyTorch's own int8 weight-only kernel (``aten._weight_int8pack_mm``,
+the CPU kernel gpt-fast uses), a prefill product as ``x (s ⊙ Q)ᵀ`` at the compute dtype
+(:meth:`Int8Weight.matmul`), and its result is at the compute dtype: the norms, attention,
 LoRA terms and KV caches stay at the compute dtype (fp32 by default on a CPU). A decode step reads
 a quarter of fp32's weight bytes. The error against fp32 is measured in benchmarks/RESULTS.md
 ("Issue 22", "int8 weight-only").
@@ -24,6 +25,8 @@ import torch
 #: the weight precisions ``load_model(quantization=...)`` accepts (None: the weights at ``dtype``)
 QUANTIZATIONS = ("int8",)
 _QMAX = 127
+#: rows up to which a product runs in the int8 kernel; more rows multiply the dequantized weight
+INT8_KERNEL_MAX_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -54,8 +57,14 @@ class Int8Weight:
         return (self.qweight.float() * self.scales.float()[:, None]).to(dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x Wᵀ`` for ``x`` ``[N, d_in]``: ``[N, d_out]`` at ``x``'s dtype, the product in bf16
-        with fp32 accumulation (``aten._weight_int8pack_mm``)."""
+        """``x Wᵀ`` for ``x`` ``[N, d_in]``: ``[N, d_out]`` at ``x``'s dtype. Up to
+        :data:`INT8_KERNEL_MAX_ROWS` rows (decode, small batches) the product runs in bf16 with fp32
+        accumulation in the int8 kernel (``aten._weight_int8pack_mm``), which reads a quarter of
+        fp32's bytes; more rows (prefill) multiply ``dequantize()`` at ``x``'s dtype, where the
+        dense product is faster than the int8 kernel (a 512-row prefill: 11 against 14 ms for a
+        3072 x 576 weight on 2 cores) and the weight is read once for all rows."""
+        if x.shape[0] > INT8_KERNEL_MAX_ROWS:
+            return torch.nn.functional.linear(x, self.dequantize(x.dtype))
         y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.qweight, self.scales)
         return y.to(x.dtype)
 
