@@ -16,6 +16,11 @@ from precache.errors import PrecacheError
 RAY_MISSING = 'scale-out needs Ray Serve: pip install "precache[cluster]"'
 
 
+#: Ray's switch for its native failure signal handler (a stack dump, then an abort, on SIGTERM);
+#: Ray reads it when it is imported, in this process and in the processes it starts
+NO_FAILURE_SIGNAL_HANDLER = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"
+
+
 class MissingExtraError(PrecacheError, ImportError):
     """An optional extra that a command needs is not installed."""
 

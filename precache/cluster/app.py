@@ -26,6 +26,7 @@ from ray.serve.config import RequestRouterConfig
 from transformers import AutoConfig, AutoTokenizer
 
 import precache
+from precache.cluster import NO_FAILURE_SIGNAL_HANDLER
 from precache.cluster.ingress import PrecacheIngress, replica_names
 from precache.cluster.replica import ForwardedRequest, PrecacheReplica
 from precache.cluster.routing import DEFAULT_ROUTING_BLOCK
@@ -207,11 +208,11 @@ class ClusterServer:
         if not ray.is_initialized():
             options = {"include_dashboard": False, "log_to_driver": False, **self.init}
             if self.ray_address is None:
-                # Ray's native handler would print a stack dump on SIGTERM and abort the process
-                # before Python's handler shuts Ray down (issue 24): SIGTERM stops us cleanly
-                os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
-            ray.init(address=self.ray_address, **options)
+                # the processes of the instance we start: no native stack dump on SIGTERM (this
+                # process's own handler is off only when set before ray is imported: cli.py)
+                os.environ.setdefault(NO_FAILURE_SIGNAL_HANDLER, "1")
             self._started_ray = self.ray_address is None
+            ray.init(address=self.ray_address, **options)
         if self.port == 0:
             self.port = free_port(self.host)
         serve.start(http_options={"host": self.host, "port": self.port})
@@ -251,10 +252,17 @@ class ClusterServer:
         return counts
 
     def stop(self) -> None:
-        serve.delete(APP_NAME)
+        """Delete the application, and shut down the Ray instance this server started; safe after
+        a start that a signal cut short (whatever was not started is skipped)."""
+        if ray.is_initialized():
+            try:
+                serve.delete(APP_NAME)
+            except Exception:  # not deployed yet (a stop during start-up): nothing to delete
+                logger.debug("no application to delete", exc_info=True)
+            if self._started_ray:
+                serve.shutdown()
         if self._started_ray:
-            serve.shutdown()
-            ray.shutdown()
+            ray.shutdown()  # also the processes of an init that a signal cut short
 
     def __enter__(self) -> ClusterServer:
         return self.start()
@@ -316,7 +324,12 @@ def serve_from_args(args) -> int:
     )
     app = checkpoint_app(folder, spec, server_config, cluster)
     init = {} if args.ray_address else {"num_cpus": local_cpus(cluster)}
-    with ClusterServer(app, args.host, args.port, args.ray_address, **init) as server:
+    server = ClusterServer(app, args.host, args.port, args.ray_address, **init)
+    # SIGTERM as Ctrl-C, from the start (a stop during start-up too): leave, shutting Ray down
+    signal.signal(signal.SIGTERM, _StopSignal())
+    try:
+        server.start()
+        signal.signal(signal.SIGTERM, _StopSignal())  # again: ray.init may have put its own
         logger.info(
             "serving %s on %d replicas (%s router) at %s",
             server_config.model_name,
@@ -324,13 +337,15 @@ def serve_from_args(args) -> int:
             cluster.router,
             server.url,
         )
-        stop = _StopSignal()
-        signal.signal(signal.SIGTERM, stop)  # as Ctrl-C: leave the with block, shutting Ray down
-        try:
-            while True:
-                time.sleep(3600)
-        except (KeyboardInterrupt, _Stopped):
-            for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the shutdown
-                signal.signal(sig, signal.SIG_IGN)
-            logger.info("stopping")
+        while True:
+            time.sleep(3600)
+    except (KeyboardInterrupt, _Stopped, SystemExit) as exc:
+        # ray.init's own SIGTERM handler, in place while it starts Ray, exits with the signal number
+        if isinstance(exc, SystemExit) and exc.code != signal.SIGTERM:
+            raise
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the shutdown
+            signal.signal(sig, signal.SIG_IGN)
+        logger.info("stopping")
+    finally:
+        server.stop()
     return 0

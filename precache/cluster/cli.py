@@ -9,9 +9,10 @@ only when a cluster is asked for.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 
-from precache.cluster import cluster_requested
+from precache.cluster import NO_FAILURE_SIGNAL_HANDLER, cluster_requested
 from precache.errors import PrecacheError
 
 #: ``serve``'s connection limits and their defaults (:class:`~precache.server.connections.ConnectionLimits`)
@@ -47,6 +48,10 @@ def refuse_single_process_flags(args: argparse.Namespace) -> None:
 
 def _serve_or_scale_out(single_process: Callable[[argparse.Namespace], int]):
     def run(args: argparse.Namespace) -> int:
+        if getattr(args, "replicas", None) is not None or getattr(args, "ray_address", None) is not None:
+            # read by Ray when it is imported (cluster_requested imports it): without it, a SIGTERM
+            # before our handler is in place prints Ray's native stack dump and aborts (issue 24)
+            os.environ.setdefault(NO_FAILURE_SIGNAL_HANDLER, "1")
         if not cluster_requested(args):
             return single_process(args)
         refuse_single_process_flags(args)
