@@ -79,11 +79,14 @@ def _bench_decode(args: argparse.Namespace) -> int:
         "hf_peft": theirs,
         "speedup": ours["tokens_per_s"] / theirs["tokens_per_s"],
     }
+    # each side's precision, named: the HF + PEFT baseline always runs fp32 weights (hf_model_of)
+    ours_precision = "int8 weights" if model.quantization else str(model.dtype).removeprefix("torch.")
+    result["precision"] = {"engine": ours_precision, "hf_peft": "float32"}
     text = (
         f"| side | trajectories | decode tokens | seconds | tokens/s |\n|---|---:|---:|---:|---:|\n"
-        f"| precache {method} | {args.concurrency} | {ours['tokens']} | {ours['seconds']:.2f} | "
+        f"| precache {method} ({ours_precision}) | {args.concurrency} | {ours['tokens']} | {ours['seconds']:.2f} | "
         f"{ours['tokens_per_s']:.1f} |\n"
-        f"| hf-peft | 1 | {theirs['tokens']} | {theirs['seconds']:.2f} | {theirs['tokens_per_s']:.1f} |\n\n"
+        f"| hf-peft (float32) | 1 | {theirs['tokens']} | {theirs['seconds']:.2f} | {theirs['tokens_per_s']:.1f} |\n\n"
         f"Speed-up: {result['speedup']:.2f}x\n"
     )
     return write_results(result, text, args)

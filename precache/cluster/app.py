@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 import precache
 from precache.cluster import NO_FAILURE_SIGNAL_HANDLER
-from precache.cluster.ingress import PrecacheIngress, replica_names
+from precache.cluster.ingress import PrecacheIngress, replica_actor_name, replica_names
 from precache.cluster.replica import ForwardedRequest, PrecacheReplica
 from precache.cluster.routing import DEFAULT_ROUTING_BLOCK
 from precache.models.loader import checkpoint_name, resolve_checkpoint
@@ -225,7 +225,7 @@ class ClusterServer:
 
     def kill_replica(self, replica_id: str) -> None:
         """Kill replica ``replica_id``'s actor, as a crash would (Ray Serve starts another)."""
-        name = f"SERVE_REPLICA::{APP_NAME}#{REPLICA_DEPLOYMENT}#{replica_id}"
+        name = replica_actor_name(APP_NAME, REPLICA_DEPLOYMENT, replica_id)
         ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
 
     def release_idle(self, timeout_s: float = 120.0) -> list[dict]:

@@ -106,12 +106,17 @@ async def read_body(chunks: AsyncIterator[bytes], limit: int) -> bytes | None:
     return b"".join(pieces)
 
 
+def replica_actor_name(app_name: str, deployment: str, replica_id: str) -> str:
+    """The Ray actor name of Serve replica ``replica_id`` (namespace ``serve``)."""
+    return f"SERVE_REPLICA::{app_name}#{deployment}#{replica_id}"
+
+
 def replica_names(app_name: str, deployment: str) -> list[str]:
     """The Ray Serve replica ids of ``deployment`` in application ``app_name`` now: the names of
     their actors (``SERVE_REPLICA::<app>#<deployment>#<id>``), read from Ray's actor registry."""
     import ray
 
-    prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
+    prefix = replica_actor_name(app_name, deployment, "")
     actors = ray.util.list_named_actors(all_namespaces=True)
     return sorted(
         a["name"].removeprefix(prefix)
