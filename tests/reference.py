@@ -81,6 +81,8 @@ def agent_view(method, state, agent, end):
         if method.name == "nonshared":
             k, v = state.full["<base>" if agent is None else agent].kv(layer, 0, end)
             out.append((k.clone(), v.clone()))
+        elif method.name.startswith("rebaseownshared"):  # own segments exact: the oracle is its own test
+            out.append(method.view_kv(state, agent, layer, end))
         elif method.name == "fullshared":
             k, v = state.full["shared"].kv(layer, 0, end)
             out.append((k.clone(), v.clone()))

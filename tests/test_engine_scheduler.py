@@ -49,7 +49,9 @@ def test_concurrent_trajectories_give_the_sequential_greedy_tokens(tiny, method)
     assert not engine.scheduler.has_work
 
 
-@pytest.mark.parametrize(("method", "rows"), [("prelrshared", 1), ("rebaseshared-db", 2)])
+@pytest.mark.parametrize(
+    ("method", "rows"), [("prelrshared", 1), ("rebaseshared-db", 2), ("rebaseownshared-db", 2)]
+)
 def test_one_step_batches_the_rows_of_every_session(tiny, method, rows):
     model, dirs, _ = tiny
     engine = make_engine(model, dirs, method)

@@ -65,7 +65,7 @@ def check_segment_caches(method_name, s, agent, h, start, end, n_before):
             k, v = st.base.kv(layer, start, end)
             assert close(k, kb) and close(v, vb)
             agents = AGENTS
-        elif method_name.startswith("rebaseshared"):
+        elif method_name.startswith(("rebaseshared", "rebaseownshared")):
             agents = (agent,)
         else:
             return
@@ -99,7 +99,9 @@ def _neutral_reference(model, token_ids):
     )
 
 
-@pytest.mark.parametrize("method", ["rebaseshared-lp", "rebaseshared-db"])
+@pytest.mark.parametrize(
+    "method", ["rebaseshared-lp", "rebaseshared-db", "rebaseownshared-lp", "rebaseownshared-db"]
+)
 @pytest.mark.parametrize("order", [("plan", "action", "reflect"), ("reflect", "reflect", "plan")])
 def test_rebaseshared_base_is_the_base_model_cache(tiny, method, order):
     """Fact 3, whatever the order of agents; and L_a = h^0 A_a outside a's own segments."""
@@ -121,11 +123,13 @@ def test_rebaseshared_base_is_the_base_model_cache(tiny, method, order):
             assert close(lv[others], ref_v[others])
 
 
-def test_lp_and_db_generate_the_same_tokens_and_caches(tiny):
-    """Fact 5: the two ReBaseShared schedules differ only in when the neutral pass runs."""
+@pytest.mark.parametrize("family", ["rebaseshared", "rebaseownshared"])
+def test_lp_and_db_generate_the_same_tokens_and_caches(tiny, family):
+    """Fact 5: the two ReBaseShared schedules differ only in when the neutral pass runs (likewise
+    ReBaseOwnShared's, which runs the same neutral pass)."""
     model, dirs, _ = tiny
-    s_lp, t_lp = run_script(make_engine(model, dirs, "rebaseshared-lp"))
-    s_db, t_db = run_script(make_engine(model, dirs, "rebaseshared-db"))
+    s_lp, t_lp = run_script(make_engine(model, dirs, f"{family}-lp"))
+    s_db, t_db = run_script(make_engine(model, dirs, f"{family}-db"))
     assert [t.token_ids for t in t_lp] == [t.token_ids for t in t_db]
     for layer in range(model.config.num_layers):
         n = s_lp.state.base.length
@@ -150,7 +154,8 @@ def test_zero_lora_b_equals_nonshared(tiny, method):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_single_agent_equals_nonshared_except_rebase(tiny, method):
-    """Fact 1: with one agent, every method but ReBaseShared is NonShared."""
+    """Fact 1: with one agent, every method but ReBaseShared is NonShared (ReBaseOwnShared reads
+    every earlier segment from its own exact K/V then: NonShared too)."""
     model, dirs, _ = tiny
     script = [("append", 9), ("plan", 4), ("append", 6), ("plan", 5), ("append", 3), ("plan", 3)]
     _, ref = run_script(make_engine(model, dirs, "nonshared"), script)

@@ -60,6 +60,10 @@ def assert_same_turns(got, want):
         assert close(a.first_logits, b.first_logits), (a.agent, (a.first_logits - b.first_logits).abs().max())
 
 
+#: the methods whose published base blocks hold every loaded agent's LR rows
+LR_FOR_ALL = ("prelrshared", "rebaseshared-lp", "rebaseshared-db", "rebaseownshared-lp", "rebaseownshared-db")
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_added_adapter_reads_the_caches_it_would_have_had_from_the_start(setup, method):
     """A trajectory started before ``reflect`` was loaded, and a second one over the same first
@@ -79,7 +83,7 @@ def test_added_adapter_reads_the_caches_it_would_have_had_from_the_start(setup, 
     # a new trajectory over the same first block: under PreLRShared and ReBaseShared the block
     # published before the adapter was loaded holds no LR rows for it and must not be taken, so the
     # reference reads nothing published either (a fresh tenant); the others reuse it on both engines
-    split = method in ("prelrshared", "rebaseshared-lp", "rebaseshared-db")
+    split = method in LR_FOR_ALL
     turns = []
     for engine, first in ((ref, s_ref), (live, s_live)):
         s = engine.session(cache_salt="fresh" if split and engine is ref else None)
@@ -92,7 +96,7 @@ def test_added_adapter_reads_the_caches_it_would_have_had_from_the_start(setup, 
     _, late_live = replay(live, LATE, s_live)
     assert_same_turns(late_live, late_ref)
     first_ref, first_live = late_ref[0], late_live[0]
-    if method in ("prelrshared", "rebaseshared-lp", "rebaseshared-db"):
+    if method in LR_FOR_ALL:
         # the catch-up re-runs what came before the turn, once, for the new agent's LR cache
         assert first_live.prefill_tokens == first_ref.prefill_tokens + first_ref.cached_tokens
     else:

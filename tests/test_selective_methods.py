@@ -18,8 +18,8 @@ from precache.methods.cacheblend import CacheBlend
 from precache.methods.droidspeak import DroidSpeak, profile, read_profile, save_profile
 from precache.methods.relaycaching import RelayCaching
 from precache.models import Row
-from tests.reference import reference_run
-from tests.tiny import SCRIPT, make_engine, run_script
+from tests.reference import lora_view, reference_run
+from tests.tiny import SCRIPT, close, make_engine, run_script
 
 TOL = 1e-4
 AGENT_TURNS = [x for x in SCRIPT if x[0] != "append"]
@@ -64,13 +64,14 @@ def schedule_of(method):
 
 
 class BlendReference:
-    """Dense brute force of a recompute rule over reused tokens ``[0, n)``: every layer computes
-    the agent's K/V for all of them, takes its own where the rule says so and the reused entries
-    elsewhere, and attends (causal, explicit softmax, the layer's sliding window) over that blend.
-    ``blend[l]`` = (K, V)."""
+    """Dense brute force of a recompute rule over reused tokens at positions ``[r0, r0 + n)``,
+    after the agent's earlier view ``prefix[l] = (K, V)`` ``[r0, Hkv, D]``: every layer computes the
+    agent's K/V for all of them, takes its own where the rule says so and the reused entries
+    elsewhere, and attends (causal, explicit softmax, the layer's sliding window) over the prefix
+    and that blend. ``blend[l]`` = (K, V) of the reused tokens."""
 
-    def __init__(self, method, adapter, reused):
-        self.adapter, self.reused = adapter, reused
+    def __init__(self, method, adapter, reused, prefix):
+        self.adapter, self.reused, self.prefix = adapter, reused, prefix
         self.select_layer, self.kept, self.fresh = schedule_of(method)
         self.selected, self.blend = None, []
 
@@ -85,48 +86,87 @@ class BlendReference:
         own = self.fresh(x.layer, self.selected, n)[:, None, None]
         k, v = torch.where(own, k, rk), torch.where(own, v, rv)
         self.blend.append((k, v))
+        pk, pv = self.prefix[x.layer]
+        P = pk.shape[0]
         G = x.q.shape[1] // k.shape[1]
-        kk, vv = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+        kk = torch.cat([pk, k]).repeat_interleave(G, dim=1)
+        vv = torch.cat([pv, v]).repeat_interleave(G, dim=1)
         scores = torch.einsum("thd,nhd->htn", x.q, kk) / math.sqrt(x.q.shape[2])
-        mask = torch.arange(n)[None, :] <= torch.arange(n)[:, None]
+        keys, queries = torch.arange(P + n)[None, :], P + torch.arange(n)[:, None]
+        mask = keys <= queries
         window = x.model.config.window(x.layer)  # sliding window: key p visible when p > t - window
         if window is not None:
-            mask &= torch.arange(n)[None, :] > torch.arange(n)[:, None] - window
+            mask &= keys > queries - window
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
         return torch.einsum("htn,nhd->thd", probs, vv).reshape(n, -1)
 
 
-def blended_view(method, adapter, token_ids, reused):
-    ref = BlendReference(method, adapter, reused)
+def blended_view(method, adapter, token_ids, r0, reused, prefix):
+    """The reference blend of the reused tokens ``token_ids`` at positions ``[r0, r0 + n)``."""
+    ref = BlendReference(method, adapter, reused, prefix)
     n = len(token_ids)
     method.model.forward(
-        torch.tensor(token_ids), torch.arange(n), [Row(0, n, adapter)], ref, logits_at=[n - 1]
+        torch.tensor(token_ids), torch.arange(r0, r0 + n), [Row(0, n, adapter)], ref, logits_at=[n - 1]
     )
     return ref.blend
 
 
+def _cat(a, b):
+    return [(torch.cat([x[0], y[0]]), torch.cat([x[1], y[1]])) for x, y in zip(a, b, strict=True)]
+
+
+def reference_checker():
+    """``on_turn`` for :func:`run_script`: the reference keeps each agent's view across its turns
+    (its own turns' exact K/V, the others' segments as its rule blended them). Before a turn: the
+    shared cache's entries of the segments new since the agent's last turn; after it: the turn's
+    logits and tokens equal a dense forward over the agent's reference view, and the engine's view
+    of the agent equals the reference's."""
+    views: dict = {}
+
+    def on_turn(s, agent):
+        m, st = s.method, s.state
+        L = m.model.config.num_layers
+        t0, n_before = m.prefill_start(st, agent), len(s.token_ids)
+        empty = [(torch.zeros(0, m.model.config.num_kv_heads, m.model.config.head_dim),) * 2] * L
+        prefix = views.get(agent, empty)
+        r0 = prefix[0][0].shape[0]
+        shared = st.full["shared"]
+        reused = [tuple(t.clone() for t in shared.kv(layer, r0, t0)) for layer in range(L)]
+        trajectory = list(s.token_ids[r0:t0])
+
+        def after(turn):
+            adapter = m.adapters[agent]
+            blend = blended_view(m, adapter, trajectory, r0, reused, prefix) if t0 > r0 else empty
+            before = _cat(prefix, blend)
+            processed = s.token_ids[t0 : n_before + len(turn.token_ids) - 1]
+            logits, h = reference_run(m.model, processed, t0, adapter, before)
+            first = n_before - t0 - 1
+            assert (turn.first_logits - logits[first]).abs().max() <= TOL
+            assert logits[first:].argmax(-1).tolist() == turn.token_ids[: len(processed) - first]
+            end = t0 + len(processed)
+            cos, sin = m.model.rope.span(t0, end)
+            own = []
+            for layer in range(L):
+                kb, vb = m.model.project_kv(layer, h[layer], cos, sin)
+                lk = h[layer] @ adapter.weights[(layer, "k_proj")][0]
+                lv = h[layer] @ adapter.weights[(layer, "v_proj")][0]
+                own.append(lora_view(m.model, adapter, layer, kb, vb, lk, lv, t0))
+            views[agent] = _cat(before, own)
+            for layer in range(L):
+                k, v = m.view_kv(st, agent, layer, end)
+                assert close(k, views[agent][layer][0]) and close(v, views[agent][layer][1])
+            after.checked = True
+
+        return after
+
+    return on_turn
+
+
 def check_against_reference(s, agent):
-    """Before the turn: the shared cache's entries; after it: the turn's logits and tokens equal a
-    dense forward over the reference blend of the reused tokens."""
-    m, st = s.method, s.state
-    t0, n_before = m.prefill_start(st, agent), len(s.token_ids)
-    shared = st.full["shared"]
-    reused = [tuple(t.clone() for t in shared.kv(layer, 0, t0)) for layer in range(m.model.config.num_layers)]
-    trajectory = list(s.token_ids[:t0])
-
-    def after(turn):
-        adapter = m.adapters[agent]
-        prefix = (
-            blended_view(m, adapter, trajectory, reused) if t0 else [(r[0][:0], r[1][:0]) for r in reused]
-        )
-        processed = s.token_ids[t0 : n_before + len(turn.token_ids) - 1]
-        logits, _ = reference_run(m.model, processed, t0, adapter, prefix)
-        first = n_before - t0 - 1
-        assert (turn.first_logits - logits[first]).abs().max() <= TOL
-        assert logits[first:].argmax(-1).tolist() == turn.token_ids[: len(processed) - first]
-        after.checked = True
-
-    return after
+    """One turn checked against the reference of its rule, the agent's view carried by the session
+    (tests/test_methods.py runs every method's turns through one hook per turn)."""
+    checkers = s.__dict__.setdefault("_reference_checker", reference_checker())
+    return checkers(s, agent)
 
 
 VARIANTS = [
@@ -143,10 +183,10 @@ VARIANTS = [
 def test_each_turn_matches_the_dense_reference_of_its_rule(tiny, cls, options):
     model, dirs, _ = tiny
     engine = engine_with(model, dirs, cls, **options)
-    calls = []
+    calls, checker = [], reference_checker()
 
     def on_turn(s, agent):
-        after = check_against_reference(s, agent)
+        after = checker(s, agent)
         calls.append(after)
         return after
 

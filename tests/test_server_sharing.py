@@ -152,16 +152,23 @@ def _load_conversation(client, k: int) -> list[int]:
     return cached
 
 
-@pytest.mark.parametrize("method", ["prelrshared", "rebaseshared-db"])
-def test_sixteen_concurrent_conversations_over_three_adapters(tiny, method):
+@pytest.mark.parametrize(
+    ("method", "all_kept"), [("prelrshared", True), ("rebaseshared-db", True), ("rebaseownshared-db", False)]
+)
+def test_sixteen_concurrent_conversations_over_three_adapters(tiny, method, all_kept):
+    """Under ReBaseOwnShared the default pool cannot keep all 16 (each conversation's own segments
+    are about a second cache), so idle conversations are reclaimed while the others run: no request
+    fails (a turn's prefix match takes cached blocks the step had counted as free)."""
     with live(tiny_engine(tiny, method), max_step_tokens=64) as (server, client):
         with ThreadPoolExecutor(16) as pool:
             results = list(
                 pool.map(lambda k: _load_conversation(client, k), range(16))
             )  # raises on any error
-        assert check_all_sessions(server) == 16  # one trajectory per conversation
+        kept = check_all_sessions(server)
+        assert kept == 16 if all_kept else 0 < kept <= 16  # one trajectory per conversation kept
         metrics = httpx.get(server.url[:-3] + "/metrics").text
-    assert all(all(c > 0 for c in cached[1:]) for cached in results)  # every later turn reused the cache
+    if all_kept:
+        assert all(all(c > 0 for c in cached[1:]) for cached in results)  # every later turn reused the cache
     assert 'precache_requests_total{outcome="error"}' not in metrics
     batches = _histogram(metrics, "precache_batch_requests")
     assert batches["count"] > 0 and batches["sum"] / batches["count"] > 1.5  # requests shared forwards

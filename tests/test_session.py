@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from precache.errors import ContextLengthError, EmptyRequestError, UnknownAdapterError
-from precache.methods import METHODS
+from precache.methods import METHODS, SELECTIVE_METHODS
 from tests.tiny import make_engine, run_script
 
 # the SCRIPT of test_methods: 12 tokens, plan 4, +5, action 3, +4, reflect 3, +3, plan 3, action 2
@@ -19,12 +19,15 @@ EXPECTED_PREFILL = {
     "prelrshared": [12, 6, 5, 4, 1],
     "rebaseshared-lp": [12, 6, 5, 4, 1],
     "rebaseshared-db": [24, 12, 10, 8, 2],  # the neutral row rides in the same forward
-    # new tokens + ceil(recomputed token-layers / 3) over t0 = 15, 23, 30, 36 reused tokens:
-    # CacheBlend 2 t0 + ceil(0.15 t0); RelayCaching (layers 1..1) and DroidSpeak (the tiny
-    # adapters' profile picks layer 0..0) t0 (last + 1)
-    "cacheblend": [12, 6 + 11, 5 + 17, 4 + 22, 1 + 26],
-    "relaycaching": [12, 6 + 10, 5 + 16, 4 + 20, 1 + 24],
-    "droidspeak": [12, 6 + 5, 5 + 8, 4 + 10, 1 + 12],
+    "rebaseownshared-lp": [12, 6, 5, 4, 1],  # ReBaseShared's prefill: it keeps what that one drops
+    "rebaseownshared-db": [24, 12, 10, 8, 2],
+    # new tokens + ceil(recomputed token-layers / 3) over the n = 15, 23, 15, 13 tokens the other
+    # agents added since the reader's last turn (t0 = 15, 23, 30, 36 minus the reader's view:
+    # 0, 0, 15, 23): CacheBlend 2 n + ceil(0.15 n); RelayCaching (layers 1..1) 2 n; DroidSpeak
+    # (the tiny adapters' profile picks layer 0..0) n
+    "cacheblend": [12, 6 + 11, 5 + 17, 4 + 11, 1 + 10],
+    "relaycaching": [12, 6 + 10, 5 + 16, 4 + 10, 1 + 9],
+    "droidspeak": [12, 6 + 5, 5 + 8, 4 + 5, 1 + 5],
 }
 
 
@@ -33,7 +36,11 @@ def test_prefill_tokens_per_turn(tiny, method):
     model, dirs, _ = tiny
     s, turns = run_script(make_engine(model, dirs, method))
     assert [t.prefill_tokens for t in turns] == EXPECTED_PREFILL[method]
-    if method == "rebaseshared-lp":
+    if method in SELECTIVE_METHODS:  # no token-layer recomputed twice by one agent: never above NonShared
+        assert all(
+            a <= b for a, b in zip(EXPECTED_PREFILL[method], EXPECTED_PREFILL["nonshared"], strict=True)
+        )
+    if method in ("rebaseshared-lp", "rebaseownshared-lp"):
         # the neutral pass reads each processed token exactly once, after the turn
         assert [t.neutral_tokens for t in turns] == [15, 8, 7, 6, 2]
         assert sum(t.neutral_tokens for t in turns) == s.state.base.length == len(s.token_ids) - 1

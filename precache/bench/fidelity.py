@@ -14,11 +14,11 @@ distribution can be compared position by position. Per agent turn:
   had processed before the turn (the earlier segments, the agent's own included). ``K_own`` is
   the agent's own full KV cache in the NonShared reference (every token read with its own
   adapter); ``K_view`` is the keys the method lets the agent attend to there: its full cache
-  (NonShared, FullShared) or the shared base plus its RoPE'd LoRA part ``Kb + RoPE(s Lk_a B_a^k)``
-  (DESIGN.md, Notation); likewise ``V_view = Vb + s Lv_a B_a^v``. Measured after the turn, since
-  entries before ``s`` never change during it. None on a turn with ``s = 0``, and under the
-  selective-recompute methods (``turn_local_view``: the blended view they attend to is dropped
-  when the turn ends, so it cannot be measured after it).
+  (NonShared, FullShared), its blended view (the selective-recompute methods), its own earlier
+  turns' K/V and elsewhere the base plus its LR part (ReBaseOwnShared), or the shared base plus its
+  RoPE'd LoRA part ``Kb + RoPE(s Lk_a B_a^k)`` (DESIGN.md, Notation); likewise
+  ``V_view = Vb + s Lv_a B_a^v``. Measured after the turn, since entries before ``s`` never change
+  during it. None on a turn with ``s = 0``.
 - ``k_error_own[l]`` / ``k_error_other[l]`` (likewise ``v_``): the same error over the earlier
   positions the turn's agent wrote itself (the segments of its own earlier turns: their appended
   and generated tokens) and over the positions the other agents wrote; None where there are none.
@@ -107,7 +107,7 @@ def _turn_record(
         "top1": sum(same) / len(same),
         **{f"{side}_error{part}": None for side in "kv" for part in ("", "_own", "_other")},
     }
-    if processed > 0 and not session.method.turn_local_view:
+    if processed > 0:
         own = torch.tensor([w == turn.agent for w in writers[:processed]])
         parts = {
             "": None,

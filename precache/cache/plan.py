@@ -29,13 +29,20 @@ __all__ = [
     "RowPlan",
     "View",
     "blocks_needed",
+    "reserve_writes",
     "materialise_view",
     "run_plans",
 ]
 
 
-def _reserve(plans: list[RowPlan]) -> None:
-    """Reserve and copy-on-write every written block before the forward (block ids may change)."""
+def reserve_writes(plans: list[RowPlan]) -> None:
+    """Reserve and copy-on-write every written block before the forward (block ids may change).
+    Idempotent: the scheduler reserves a request's rows when it takes them into a step, so nothing
+    started later in the step (a prefix match attaching cached blocks) can take those blocks.
+
+    Raises:
+        OutOfBlocksError: the pool has no block left for the writes.
+    """
     for plan in plans:
         for w in plan.writes:
             start = plan.write_start(w)
@@ -97,7 +104,7 @@ def run_plans(
     last = max((p.end for p in batch), default=0) - 1  # checked here, on the host: no device sync
     if last >= model.max_context:
         raise ContextLengthError(f"position {last} is past the context length {model.max_context}")
-    _reserve(batch)
+    reserve_writes(batch)
     ids = torch.tensor([t for p in batch for t in p.token_ids], device=model.device)
     positions = torch.cat([torch.arange(p.pos0, p.end) for p in batch]).to(model.device)  # one copy
     wanted = [j for j, p in enumerate(batch) if p.want_logits]

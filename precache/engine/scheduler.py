@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from precache.cache.plan import blocks_needed
+from precache.cache.plan import blocks_needed, reserve_writes
 from precache.cache.pool import KVPool
 from precache.engine import admission, parallel, preemption, rows
 from precache.engine.request import Phase, Request, RequestState
@@ -247,7 +247,12 @@ class Scheduler:
                     self._fail(r, self._out_of_blocks(r, need, room.blocks), batch)
                 return False
         if room.blocks is not None:
-            room.blocks -= need
+            try:
+                reserve_writes(plans)  # held from now on: nothing started later in the step takes them
+            except OutOfBlocksError as exc:
+                self._fail(r, exc, batch)
+                return False
+            room.blocks = min(room.blocks - need, self.pool.allocator.num_available)
         if take is not None and room.tokens is not None:
             room.tokens -= take
         batch.requests.append(r)
@@ -302,17 +307,21 @@ class Scheduler:
                 return
 
     def _start(self, r: Request, batch: Batch, room: _Room) -> bool:
-        """Open ``r``'s turn (or swap its caches back in) and take its first rows."""
+        """Open ``r``'s turn (or swap its caches back in) and take its first rows. Both may take
+        blocks the step counted as available (a swap-in; cached blocks a prefix match attaches),
+        so the step's room shrinks by what they took."""
+        before = self.pool.allocator.num_available if self.pool is not None else 0
         try:
             if r.swapped is not None:
-                before = self.pool.allocator.num_available
                 preemption.resume(r, self.pool)
-                room.blocks -= before - self.pool.allocator.num_available
             if r.phase is None:
                 r.open()
         except Exception as exc:
             self._fail(r, exc, batch)
             return True
+        finally:
+            if self.pool is not None and room.blocks is not None:
+                room.blocks -= max(0, before - self.pool.allocator.num_available)
         bisect.insort(self.running, r, key=lambda q: q.priority)
         return r.held or self._take_rows(r, batch, room, make_room=False)
 

@@ -13,12 +13,14 @@ from precache.methods.droidspeak import DroidSpeak
 from precache.methods.fullshared import FullShared
 from precache.methods.nonshared import NonShared
 from precache.methods.prelrshared import PreLRShared
+from precache.methods.rebaseownshared import ReBaseOwnShared
 from precache.methods.rebaseshared import ReBaseShared
 from precache.methods.relaycaching import RelayCaching
 from precache.registry import Registry
 
 #: the sharing methods by name (:func:`make_method` builds one): a factory
-#: ``(model, adapters, **pool_options) -> SharingMethod`` each; ``rebaseshared`` is ``rebaseshared-lp``
+#: ``(model, adapters, **pool_options) -> SharingMethod`` each; ``rebaseshared`` is ``rebaseshared-lp``,
+#: ``rebaseownshared`` is ``rebaseownshared-lp``
 METHOD_REGISTRY: Registry[Callable[..., SharingMethod]] = Registry(
     "sharing method", UnknownMethodError, noun="method"
 )
@@ -28,6 +30,10 @@ METHOD_REGISTRY.register("baseshared", BaseShared)
 METHOD_REGISTRY.register("prelrshared", PreLRShared)
 METHOD_REGISTRY.register("rebaseshared-lp", partial(ReBaseShared, schedule="lp"), aliases=("rebaseshared",))
 METHOD_REGISTRY.register("rebaseshared-db", partial(ReBaseShared, schedule="db"))
+METHOD_REGISTRY.register(
+    "rebaseownshared-lp", partial(ReBaseOwnShared, schedule="lp"), aliases=("rebaseownshared",)
+)
+METHOD_REGISTRY.register("rebaseownshared-db", partial(ReBaseOwnShared, schedule="db"))
 METHOD_REGISTRY.register("cacheblend", CacheBlend)
 METHOD_REGISTRY.register("droidspeak", DroidSpeak)
 METHOD_REGISTRY.register("relaycaching", RelayCaching)

@@ -101,9 +101,6 @@ class SharingMethod(ABC):
     name: ClassVar[str]
     #: methods that split K/V into base + LR cannot do so under Qwen3's per-head k-norm
     splits_kv: ClassVar[bool] = False
-    #: the view an agent attends to over earlier segments lives only during its turn (selective
-    #: recomputation): after the turn :meth:`view_kv` shows the shared cache, not that view
-    turn_local_view: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -17,11 +17,20 @@ SCHEDULES = ("lp", "db")
 
 
 class ReBaseShared(SplitKVMethod):
+    """``schedule``: ``"lp"`` (lazy prefill) or ``"db"`` (double batching); the method's name is
+    ``f"{family}-{schedule}"``.
+
+    Raises:
+        ValueError: ``schedule`` is not one of :data:`SCHEDULES`.
+    """
+
+    family = "rebaseshared"
+
     def __init__(self, model, adapters, schedule: str = "lp", **pool_options):
         if schedule not in SCHEDULES:
-            raise ValueError(f"ReBaseShared schedule must be one of {SCHEDULES}, got {schedule!r}")
+            raise ValueError(f"{type(self).__name__} schedule must be one of {SCHEDULES}, got {schedule!r}")
         self.schedule = schedule
-        self.name = f"rebaseshared-{schedule}"
+        self.name = f"{self.family}-{schedule}"
         super().__init__(model, adapters, **pool_options)
 
     def cached_length(self, state: CacheState) -> int:
@@ -43,14 +52,19 @@ class ReBaseShared(SplitKVMethod):
         end = pos0 + len(token_ids)
         return RowPlan(token_ids, pos0, None, writes, [View(state.base, 0, end)], want_logits=False)
 
+    def earlier_views(self, state: CacheState, agent: str | None, end: int) -> list[View]:
+        """What ``agent`` reads over the earlier segments ``[0, end)``, in position order: the neutral
+        base plus its LR part everywhere (its own segments included)."""
+        lr = state.lr.get(agent) if agent is not None else None
+        return [View(state.base, 0, end, lr, self.adapter(agent))]
+
     def plans(self, state, agent, token_ids, pos0):
         t0, end = state.turn_start, pos0 + len(token_ids)
         adapter = self.adapter(agent)
         writes: list = [FullWrite(state.turn)]
         if adapter is not None:
             writes.append(LRWrite(state.lr[agent], adapter))
-        lr = state.lr.get(agent) if agent is not None else None
-        views = [View(state.base, 0, t0, lr, adapter), View(state.turn, t0, end)]
+        views = [*self.earlier_views(state, agent, t0), View(state.turn, t0, end)]
         adapted = RowPlan(token_ids, pos0, adapter, writes, views)
         if self.schedule == "db":
             return [adapted, self._neutral_plan(state, agent, token_ids, pos0)]
@@ -70,9 +84,13 @@ class ReBaseShared(SplitKVMethod):
         view = View(state.base, 0, end)
         return [RowPlan(token_ids[start:end], start, None, [write], [view], want_logits=False)]
 
+    def close_turn_cache(self, state: CacheState, agent: str | None) -> None:
+        """What becomes of the turn's exact adapted K/V (``state.turn``) when the turn ends: dropped."""
+        state.turn.release()
+
     def end_turn(self, state: CacheState, agent: str | None, trajectory: list[int]) -> list[RowPlan]:
         t0, end = state.turn_start, state.turn.length
-        state.turn.release()
+        self.close_turn_cache(state, agent)
         state.turn = None
         super().end_turn(state, agent, trajectory)
         if self.schedule == "lp" and end > t0:

@@ -1,18 +1,24 @@
 """The selective-recomputation baselines' common shape (DESIGN.md, "Selective-recomputation
-baselines"): one full KV cache shared as under FullShared (each token written once, by the
-adapter of whoever processed it first), and per turn a blended view for the current agent.
+baselines"), at their honest best: one full KV cache shared as under FullShared (each token written
+once, by the adapter of whoever processed it first), and per agent a blended view it keeps across
+its turns, as NonShared keeps each agent's own cache.
 
-When agent c opens a turn over ``t0`` cached tokens, its view is a copy-on-write fork of the shared
-cache (``state.turn``: a reference per block until written). The first prefill forward of the turn
-carries one extra row, the recompute row: the reused tokens ``[0, t0)`` run again with c's adapter
-under a :class:`~precache.cache.plan.Recompute` that says which layers it writes and which tokens
-go on past which layer; what it writes lands in c's view only, never in the shared cache. The
+Agent c's view (``state.full["view:<c>"]``) holds what c attends to over the positions it has read:
+its own turns' exact K/V and the other agents' segments as c's recompute row blended them. When c
+opens a turn over ``t0`` cached tokens and its view covers ``[0, r0)``, the view is extended to
+``t0`` with the shared cache's entries (by reference, block by block; the rows of a partly filled
+last block are copied in place, so the extension takes no new block), and the first prefill forward
+of the turn carries one extra row, the recompute row: the tokens ``[r0, t0)`` (the other agents'
+segments new since c's last turn) run again with c's adapter under a
+:class:`~precache.cache.plan.Recompute` that says which layers it writes and which tokens go on past
+which layer; what it writes lands in c's view only (copy-on-write), never in the shared cache. The
 turn's new tokens are written to both (they are c's own, as under FullShared) and read c's view, so
-at every layer they attend to the blended cache. The view is dropped when the turn ends.
+at every layer they attend to the blended cache. No token-layer is recomputed twice by one agent.
 
 Prefill cost: the recompute row counts its token-layers over the layer count
-(:meth:`~precache.cache.plan.Recompute.cost`), in the turn's ``prefill_tokens`` and its TTFT.
-Memory: during a turn the blocks the recompute row writes are copied (at most one more cache).
+(:meth:`~precache.cache.plan.Recompute.cost`), in the turn's ``prefill_tokens`` and its TTFT; with
+rho = 1 over every layer each turn is NonShared's. Memory: the shared cache plus each agent's view,
+whose blocks are the shared cache's until the recompute row or the agent's own tokens write them.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from precache.cache.pool import PagedStore
 from precache.cache.rowplan import FullWrite, Recompute, RowPlan, View
 from precache.cache.views import materialise_view
 from precache.methods.base import CacheState
@@ -32,9 +39,46 @@ from precache.models.contract import LayerInput
 @dataclass
 class SelectiveState(CacheState):
     """:class:`CacheState` plus the trajectory's token ids as the last turn opened on them
-    (``token_ids``, the recompute row's input)."""
+    (``token_ids``, the recompute row's input) and the first position the open turn's recompute
+    row runs (``recompute_start``: the end of the agent's view before the turn)."""
 
     token_ids: list[int] = field(default_factory=list)
+    recompute_start: int = 0
+
+
+def view_key(agent: str | None) -> str:
+    """The key of ``agent``'s blended view in :attr:`CacheState.full` (``None``: the base model)."""
+    return f"view:{'<base>' if agent is None else agent}"
+
+
+def extend_view(view: PagedStore, shared: PagedStore, end: int) -> int:
+    """Extend ``view`` with ``shared``'s entries up to position ``end``; return the first position
+    it did not hold before (where the recompute starts). Both stores start at position 0, so block
+    ``i`` covers the same positions in each: the rows of ``view``'s partly filled last block are
+    copied in place and ``shared``'s later blocks are held by reference, so this takes no new
+    block (a partly filled last block shared with a fork is given up instead, and its positions
+    come from ``shared`` too)."""
+    pool, bs = view.pool, view.pool.block_size
+    view.truncate(view.length)  # no block past the committed length
+    start = view.length
+    if start >= end:
+        return start
+    i, off = divmod(start, bs)
+    if off and pool.allocator.is_shared(view.blocks[i]):
+        view.truncate(i * bs)
+        start, off = i * bs, 0
+    if off:
+        stop = min(end, (i + 1) * bs)
+        dst = slice(view.blocks[i] * bs + off, view.blocks[i] * bs + off + (stop - start))
+        src = shared.rows(start, stop)
+        pool.k[:, dst] = pool.k[:, src]
+        pool.v[:, dst] = pool.v[:, src]
+        i += 1
+    for block in shared.blocks[i : pool.blocks_for(end)]:
+        pool.allocator.hold(block)
+        view.blocks.append(block)
+    view.commit(end)
+    return start
 
 
 def check_fraction(rho: float, what: str = "rho") -> float:
@@ -91,13 +135,11 @@ class SelectiveRecompute(FullShared):
     """Base class of CacheBlend, DroidSpeak and RelayCaching: a subclass says what the recompute
     row does (:meth:`recompute`) over ``n`` reused tokens; None skips it."""
 
-    turn_local_view = True
-
     def empty_state(self) -> SelectiveState:
         return SelectiveState(full={"shared": self.new_kv_store()})
 
     def fork_extra(self, state: SelectiveState, length: int) -> dict:
-        return {"token_ids": state.token_ids[:length]}
+        return {"token_ids": state.token_ids[:length], "recompute_start": min(state.recompute_start, length)}
 
     def reuse_prefix(self, state: SelectiveState, agent: str | None, token_ids: list[int]) -> int:
         """As :meth:`SharingMethod.reuse_prefix`; also records the trajectory's token ids, which the
@@ -106,7 +148,17 @@ class SelectiveRecompute(FullShared):
         return super().reuse_prefix(state, agent, token_ids)
 
     def check_fits(self, state: CacheState, n_tokens: int, choices: int = 1) -> None:
-        need = 2 * self.pool.blocks_for(n_tokens) + 1  # the shared cache and the agent's blended view
+        """Refuse a turn that could never fit: the shared cache and the agent's view over the
+        trajectory (one more block: a copy-on-write of the last shared one), the blocks the other
+        agents' views hold apart from the shared cache (the largest is taken as the agent's own),
+        and each further choice's writes to both.
+
+        Raises:
+            CacheCapacityError: they need more blocks than the pool holds.
+        """
+        shared = set(state.full["shared"].blocks)
+        private = [len(set(s.blocks) - shared) for k, s in state.full.items() if k != "shared"]
+        need = 2 * self.pool.blocks_for(n_tokens) + 1 + sum(private) - max(private, default=0)
         turn = n_tokens - self.cached_length(state)
         need += (choices - 1) * 2 * (self.pool.blocks_for(turn) + 1)  # each fork writes both
         what = f"a {n_tokens}-token trajectory" + (f" with {choices} choices" if choices > 1 else "")
@@ -114,33 +166,37 @@ class SelectiveRecompute(FullShared):
 
     def begin_turn(self, state: SelectiveState, agent: str | None) -> None:
         super().begin_turn(state, agent)
-        state.turn = state.full["shared"].fork()
+        view = state.full.setdefault(view_key(agent), self.new_kv_store())
+        state.recompute_start = extend_view(view, state.full["shared"], state.turn_start)
 
-    def end_turn(self, state: SelectiveState, agent: str | None, trajectory: list[int]) -> list[RowPlan]:
-        state.turn.release()
-        state.turn = None
-        return super().end_turn(state, agent, trajectory)
+    def drop_agent_cache(self, state: CacheState, agent: str) -> None:
+        super().drop_agent_cache(state, agent)
+        view = state.full.pop(view_key(agent), None)
+        if view is not None:
+            view.release()
 
     def view_kv(self, state, agent, layer, end):
-        store = state.turn if state.turn is not None else state.full["shared"]
-        return materialise_view(self.model, layer, View(store, 0, min(end, store.length)))
+        view = state.full.get(view_key(agent))  # an agent's view covers what it has read
+        if view is None:
+            return materialise_view(self.model, layer, View(state.full["shared"], 0, 0))
+        return materialise_view(self.model, layer, View(view, 0, min(end, view.length)))
 
     def recompute(self, state: SelectiveState, agent: str | None, n: int) -> Recompute | None:
-        """What the recompute row does over the ``n`` reused tokens ``[0, n)`` (None: nothing)."""
+        """What the recompute row does over ``n`` reused tokens (None: nothing)."""
         raise NotImplementedError
 
     def plans(self, state, agent, token_ids, pos0):
-        shared, view = state.full["shared"], state.turn
+        shared, view = state.full["shared"], state.full[view_key(agent)]
         end, adapter = pos0 + len(token_ids), self.adapter(agent)
         out = [RowPlan(token_ids, pos0, adapter, [FullWrite(shared), FullWrite(view)], [View(view, 0, end)])]
-        t0 = state.turn_start
-        if pos0 == t0 > 0:  # the turn's first prefill chunk (plans may be asked again before it runs)
-            rc = self.recompute(state, agent, t0)
+        t0, r0 = state.turn_start, state.recompute_start
+        if pos0 == t0 > r0:  # the turn's first prefill chunk (plans may be asked again before it runs)
+            rc = self.recompute(state, agent, t0 - r0)
             if rc is not None:
-                reused = state.token_ids[:t0]
+                reused = state.token_ids[r0:t0]
                 views = [View(view, 0, t0)]
                 out.append(
-                    RowPlan(reused, 0, adapter, [FullWrite(view)], views, want_logits=False, recompute=rc)
+                    RowPlan(reused, r0, adapter, [FullWrite(view)], views, want_logits=False, recompute=rc)
                 )
         return out
 
