@@ -410,3 +410,46 @@ def test_paired_counts_questions_where_one_method_scores_higher():
     assert out["agrees"] == {"better": 2, "worse": 1, "p": 1.0}
     assert out["accuracy"]["better"] == 1 and out["accuracy"]["worse"] == 1
     assert paired(entries, "rebaseshared-lp", "cacheblend", SCIENCEQA) == {}
+
+
+def test_methods_added_to_a_stored_point_run_alone(smollm_vocab, monkeypatch, tmp_path):
+    """A stored point takes a new method, and re-runs a method whose rows are at an older revision,
+    running free only those: the other methods' stored rows are kept (their timings unchanged) with
+    the teacher-forced records replayed again; point.json lists the union."""
+    import gzip
+
+    from precache.bench import study_store
+
+    model, root = smollm_vocab
+    monkeypatch.setattr(precache, "load_model", lambda *a, **k: model)
+    argv = ["study", "--adapters", str(root), "--limit", "2", "--scales", "1", "--max-steps", "2"]
+    argv += ["--max-new-tokens", "3", "--out", str(tmp_path)]
+    assert main([*argv, "--methods", "nonshared,fullshared,prelrshared"]) == 0
+    folder = next((tmp_path / "questions").glob("*/scale-1.0"))
+
+    def rows():
+        return {
+            p.name: json.loads(gzip.decompress(p.read_bytes()))["methods"] for p in folder.glob("*.json.gz")
+        }
+
+    before = rows()
+    monkeypatch.setitem(study_store.METHOD_REVISIONS, "prelrshared", 2)
+    assert main([*argv, "--methods", "nonshared,prelrshared,rebaseownshared-lp"]) == 0
+    after = rows()
+    assert json.loads((folder / "point.json").read_text())["methods"] == [
+        "nonshared",
+        "fullshared",
+        "prelrshared",
+        "rebaseownshared-lp",
+    ]
+    for name, methods in after.items():
+        assert set(methods) == {"nonshared", "fullshared", "prelrshared", "rebaseownshared-lp"}
+        assert methods["fullshared"]["ttft_s"] == before[name]["fullshared"]["ttft_s"]  # kept, not run
+        assert methods["prelrshared"]["revision"] == 2 and methods["rebaseownshared-lp"]["revision"] == 1
+        assert methods["prelrshared"]["ttft_s"] != before[name]["prelrshared"]["ttft_s"]  # run again
+        for m in ("fullshared", "rebaseownshared-lp"):
+            assert all(t["kv_bytes"] > 0 for t in methods[m]["forced"])
+    report = json.loads((tmp_path / "study.json").read_text(encoding="utf-8"))["runs"]
+    table = next(iter(report.values()))["table"]
+    assert table["rebaseownshared-lp"]["kv_bytes"] > table["prelrshared"]["kv_bytes"]  # own segments in full
+    assert next(iter(report.values()))["paired_own"]["prelrshared"]

@@ -19,6 +19,7 @@ distribution can be compared position by position. Per agent turn:
   RoPE'd LoRA part ``Kb + RoPE(s Lk_a B_a^k)`` (DESIGN.md, Notation); likewise
   ``V_view = Vb + s Lv_a B_a^v``. Measured after the turn, since entries before ``s`` never change
   during it. None on a turn with ``s = 0``.
+- ``kv_bytes``: :func:`held_bytes` of the method's session after the turn.
 - ``k_error_own[l]`` / ``k_error_other[l]`` (likewise ``v_``): the same error over the earlier
   positions the turn's agent wrote itself (the segments of its own earlier turns: their appended
   and generated tokens) and over the positions the other agents wrote; None where there are none.
@@ -120,6 +121,14 @@ def _turn_record(
     return record
 
 
+def held_bytes(session) -> int:
+    """Bytes of the distinct pool blocks ``session``'s caches hold (a block two of its stores share,
+    as a selective method's view shares the shared cache's, counts once; the LR caches live in the
+    base blocks)."""
+    blocks = {b for store in session.state.paged_stores() for b in store.blocks}
+    return len(blocks) * session.method.pool.block_bytes
+
+
 def compare_trajectory(engines: dict, turns: list[Turn], reference: str = REFERENCE) -> dict[str, list[dict]]:
     """Teacher-force ``turns`` on a fresh session of every engine in ``engines`` (by method name)
     in lockstep with a separate reference session of ``engines[reference]``.
@@ -141,6 +150,8 @@ def compare_trajectory(engines: dict, turns: list[Turn], reference: str = REFERE
         for name, session in sessions.items():
             session.append(list(turn.appended))
             logits = forced_turn(session, turn.agent, turn.token_ids)
-            out[name].append(_turn_record(ref, session, turn, ref_logits, logits, processed, writers))
+            record = _turn_record(ref, session, turn, ref_logits, logits, processed, writers)
+            record["kv_bytes"] = held_bytes(session)
+            out[name].append(record)
         writers += [turn.agent] * (len(turn.appended) + len(turn.token_ids))
     return out

@@ -25,9 +25,10 @@ of NonShared's turns the method reproduces token for token, in order, up to the 
 `first_kl` / `mean_kl`: teacher-forced KL(NonShared || method) in nats at a turn's first generated
 token / over all its generated tokens, on NonShared's recorded trajectories; `k_error_own` /
 `k_error_other`: relative K error of the view the reading agent attends to against its own
-NonShared cache, over the earlier segments it wrote itself / the other agents wrote (`-`: the
-selective-recompute methods, whose view lives only during the turn); `sum_ttft_s`: seconds, summed
-over every turn of the free-running episodes; `prefill_tokens`: summed likewise."""
+NonShared cache, over the earlier segments it wrote itself / the other agents wrote; `sum_ttft_s`:
+seconds, summed over every turn of the free-running episodes; `prefill_tokens`: summed likewise;
+`kv_mib`: the cache blocks a trajectory holds after its last teacher-forced turn (MiB, each block
+once, mean over questions; `-`: stored before it was measured)."""
 
 
 def _count(n: int, noun: str) -> str:
@@ -49,7 +50,15 @@ def study_markdown(results: dict) -> str:
     for key, run in results["runs"].items():
         metrics = run["metrics"]
         cols = [*metrics, *(f"{m}_drop" for m in metrics), "agreement", "turn_match"]
-        cols += ["first_kl", "mean_kl", "k_error_own", "k_error_other", "sum_ttft_s", "prefill_tokens"]
+        cols += [
+            "first_kl",
+            "mean_kl",
+            "k_error_own",
+            "k_error_other",
+            "sum_ttft_s",
+            "prefill_tokens",
+            "kv_mib",
+        ]
         lines += [
             f"## {key} ({_count(run['questions'], 'question')})",
             "",
@@ -57,6 +66,8 @@ def study_markdown(results: dict) -> str:
         ]
         lines.append("|---" * (len(cols) + 1) + "|")
         for method, row in run["table"].items():
+            kv = row.get("kv_bytes")
+            row = {**row, "kv_mib": None if kv is None else kv / 2**20}
             lines.append(f"| {method} | " + " | ".join(_fmt(row[c]) for c in cols) + " |")
         lines += [
             "",
@@ -87,6 +98,18 @@ def study_markdown(results: dict) -> str:
                     f"- {measure}: ReBaseShared-LP higher on {c['better']}, lower on {c['worse']} "
                     f"questions (p = {c['p']:.3g})"
                 )
+        for other, pairs in (run.get("paired_own") or {}).items():
+            if pairs:
+                lines += [
+                    "",
+                    f"ReBaseOwnShared-LP against {other}, question by question (exact sign test):",
+                    "",
+                ]
+                for measure, c in pairs.items():
+                    lines.append(
+                        f"- {measure}: ReBaseOwnShared-LP higher on {c['better']}, lower on {c['worse']} "
+                        f"questions (p = {c['p']:.3g})"
+                    )
         figure2 = run["figure2"]
         mean, across = figure2["mean"], figure2.get("across", len(figure2["transitions"]))
         lines += [

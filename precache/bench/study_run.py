@@ -21,7 +21,7 @@ from precache.bench.episodes import RecordingSession
 from precache.bench.fidelity import REFERENCE, compare_trajectory
 from precache.bench.study_figure2 import summarize_transitions, trajectory_transitions
 from precache.bench.study_stats import paired, question_record, rebase_beats, table
-from precache.bench.study_store import PointStore, adapters_fingerprint
+from precache.bench.study_store import PointStore, adapters_fingerprint, revision
 from precache.engine.concurrency import run_concurrently
 
 logger = logging.getLogger(__name__)
@@ -45,15 +45,18 @@ def run_questions(
     concurrency: int = 1,
     model=None,
     adapters=None,
+    free: list[str] | None = None,
     **episode_kwargs,
 ) -> list[dict]:
     """Record NonShared episodes (``engines["nonshared"]``) on ``questions``, teacher-force the
     recorded trajectories under every engine (:func:`~precache.bench.fidelity.compare_trajectory`),
-    run every other engine free on the same questions. Returns one dict per question: ``{"id",
-    "methods": {method: question_record}}``, plus ``"figure2"`` (the
-    :func:`~precache.bench.study_figure2.trajectory_transitions` of the recorded trajectory) when
-    ``model`` and ``adapters`` are given. ``episode_kwargs`` go to
+    run the engines named in ``free`` (default: every one) free on the same questions. Returns one
+    dict per question: ``{"id", "methods": {method: question_record}}`` (each free-run row with the
+    method's ``revision``; an engine not run free gets only ``{"forced": ...}``), plus
+    ``"figure2"`` (the :func:`~precache.bench.study_figure2.trajectory_transitions` of the recorded
+    trajectory) when ``model`` and ``adapters`` are given. ``episode_kwargs`` go to
     :func:`~precache.agents.loop.run_episode`."""
+    free = list(engines) if free is None else [REFERENCE, *(m for m in free if m != REFERENCE)]
 
     def record(question):
         rec = RecordingSession(engines[REFERENCE].session())
@@ -61,7 +64,7 @@ def run_questions(
         episode.turns = rec.turns
         return episode
 
-    def free(question, engine):
+    def run_free(question, engine):
         return run_episode(engine.session(), question, benchmark=benchmark, **episode_kwargs)
 
     reference = run_concurrently(record, questions, concurrency, desc=f"record {REFERENCE}")
@@ -72,23 +75,40 @@ def run_questions(
         desc="teacher-forced",
     )
     episodes = {REFERENCE: reference}
-    for name, engine in engines.items():
+    for name in free:
         if name != REFERENCE:
+            engine = engines[name]
             episodes[name] = run_concurrently(
-                lambda q, engine=engine: free(q, engine), questions, concurrency, desc=f"free {name}"
+                lambda q, engine=engine: run_free(q, engine), questions, concurrency, desc=f"free {name}"
             )
     out = []
     for i, question in enumerate(questions):
-        entry = {
-            "id": question.id,
-            "methods": {
-                name: question_record(episodes[name][i], reference[i], benchmark, question, forced[i][name])
-                for name in engines
-            },
-        }
+        methods = {}
+        for name in engines:
+            if name in episodes:
+                row = question_record(episodes[name][i], reference[i], benchmark, question, forced[i][name])
+                methods[name] = {**row, "revision": revision(name)}
+            else:
+                methods[name] = {"forced": forced[i][name]}
+        entry = {"id": question.id, "methods": methods}
         if model is not None:
             entry["figure2"] = trajectory_transitions(model, adapters, reference[i].turns)
         out.append(entry)
+    return out
+
+
+def merged(entry: dict, stored: dict | None) -> dict:
+    """``entry`` (:func:`run_questions`) over the question's ``stored`` one: a method not run free
+    keeps its stored row with the new teacher-forced records (the same replay, now with
+    ``kv_bytes``); the stored Figure 2 is kept when the entry has none."""
+    if stored is None:
+        return entry
+    methods = dict(stored["methods"])
+    for name, row in entry["methods"].items():
+        methods[name] = {**methods[name], **row} if set(row) == {"forced"} and name in methods else row
+    out = {**stored, **entry, "methods": methods}
+    if "figure2" not in entry and "figure2" in stored:
+        out["figure2"] = stored["figure2"]
     return out
 
 
@@ -103,33 +123,42 @@ def run_point(
     shard: tuple[int, int] | None = None,
     **episode_kwargs,
 ) -> list[dict]:
-    """:func:`run_questions` on the questions ``store`` lacks, ``concurrency`` at a time, each
-    group stored as soon as it is done; returns every question's entry, in order. The engines are
-    built (``make_engines()``) only when something is left to run.
+    """:func:`run_questions` on the questions whose methods ``store`` lacks (or holds at an older
+    revision: :meth:`PointStore.lacking`), ``concurrency`` at a time, each group merged with what
+    was stored (:func:`merged`: only the lacking methods run free; every method is teacher-forced
+    again) and stored as soon as it is done; returns every question's entry, in order. The engines
+    are built (``make_engines()``) only when something is left to run; Figure 2 (``model``) runs
+    only for questions with nothing stored.
 
     ``shard = (i, n)`` runs only the lacking questions at positions ``p`` of ``questions`` with
     ``p % n == i - 1`` (n processes fill one point between them) and returns ``[]``: the other
     shards' questions may not be stored yet."""
-    missing = store.missing(questions)
+    lacking = store.lacking(questions)
     if shard is not None:
         i, n = shard
         position = {q.id: p for p, q in enumerate(questions)}
-        missing = [q for q in missing if position[q.id] % n == i - 1]
-    if missing:
+        lacking = [(q, need) for q, need in lacking if position[q.id] % n == i - 1]
+    if lacking:
         engines = make_engines()
-        logger.info("%s: %d of %d questions to run", store.folder, len(missing), len(questions))
-        for start in range(0, len(missing), concurrency):
-            group = missing[start : start + concurrency]
-            for entry in run_questions(
-                engines, group, benchmark, concurrency, model=model, adapters=adapters, **episode_kwargs
-            ):
-                store.save(entry)
-            logger.info(
-                "%s: %d of %d questions done",
-                store.folder,
-                len(questions) - len(store.missing(questions)),
-                len(questions),
+        logger.info("%s: %d of %d questions to run", store.folder, len(lacking), len(questions))
+        for start in range(0, len(lacking), concurrency):
+            group = lacking[start : start + concurrency]
+            stored = [store.entry(q) for q, _ in group]
+            free = [m for m in engines if any(m in need for _, need in group)]
+            with_figure2 = model is not None and all(e is None for e in stored)
+            entries = run_questions(
+                engines,
+                [q for q, _ in group],
+                benchmark,
+                concurrency,
+                model=model if with_figure2 else None,
+                adapters=adapters,
+                free=free,
+                **episode_kwargs,
             )
+            for entry, old in zip(entries, stored, strict=True):
+                store.save(merged(entry, old))
+            logger.info("%s: %d of %d questions done", store.folder, start + len(group), len(lacking))
     return [] if shard is not None else store.load(questions)
 
 
@@ -238,7 +267,8 @@ def run_study(
     (default: all). Returns ``{"questions", "sweep_questions", "table", "paired", "figure2",
     "sweep": {scale: {"methods": {method: row}, "rebase_beats": {measure: bool}, "paired"}}}``
     (``paired``: ReBaseShared-LP against PreLRShared question by question,
-    :func:`~precache.bench.study_stats.paired`).
+    :func:`~precache.bench.study_stats.paired`; ``paired_own``: ReBaseOwnShared-LP against each of
+    PreLRShared and ReBaseShared-LP, empty where a method did not run).
 
     With ``shard = (i, n)`` only this process's share of every point runs (:func:`run_point`)
     and the result is ``{"shard": [i, n]}``: the report comes from ``report_only`` once every
@@ -272,6 +302,10 @@ def run_study(
         "sweep_questions": len(sweep_questions),
         "table": table(main, benchmark, methods),
         "paired": paired(main, "rebaseshared-lp", "prelrshared", benchmark),
+        "paired_own": {
+            other: paired(main, "rebaseownshared-lp", other, benchmark)
+            for other in ("prelrshared", "rebaseshared-lp")
+        },
         "figure2": summarize_transitions([t for q in main for t in q["figure2"]]),
         "sweep": sweep,
     }

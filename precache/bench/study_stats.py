@@ -58,7 +58,7 @@ def method_row(records: list[dict], benchmark) -> dict:
     ``mean_kl`` / ``top1`` and the cache errors ``k_error`` (all earlier positions), ``k_error_own``
     / ``v_error_own`` (the reader's own earlier segments) and ``k_error_other`` / ``v_error_other``
     (the other agents') of the forced records (:func:`~precache.bench.episodes.summarize_turns`,
-    :mod:`~precache.bench.fidelity`), ``answers``, and the same measures per agent
+    :mod:`~precache.bench.fidelity`), ``kv_bytes`` (:func:`_final_kv_bytes`), ``answers``, and the same measures per agent
     (:func:`by_agent`). ``{metric}_drop`` is added by :func:`table`."""
     n = len(records)
     total = sum(r["reference_turns"] for r in records)
@@ -74,9 +74,20 @@ def method_row(records: list[dict], benchmark) -> dict:
             key: forced[key]
             for key in ("k_error", "k_error_own", "k_error_other", "v_error_own", "v_error_other")
         },
+        "kv_bytes": _final_kv_bytes(records),
         "answers": [r["answer"] for r in records],
         "by_agent": by_agent([t for r in records for t in r["forced"]]),
     }
+
+
+def _final_kv_bytes(records: list[dict]) -> float | None:
+    """Mean over questions of the bytes the trajectory's caches hold after its last teacher-forced
+    turn (:func:`~precache.bench.fidelity.held_bytes`); None when a question has no such record
+    (stored before it was measured)."""
+    last = [r["forced"][-1].get("kv_bytes") if r["forced"] else None for r in records]
+    if not last or any(b is None for b in last):
+        return None
+    return sum(last) / len(last)
 
 
 def by_agent(forced: list[dict]) -> dict:

@@ -17,6 +17,25 @@ from precache.errors import PrecacheError
 
 SIGNIFICANT = 6  # digits a stored float keeps
 
+#: the revision of each method's stored rows (1 when not listed): a row stored under an older one
+#: is run again, the other methods' rows are kept. 2: the selective-recompute baselines keep each
+#: agent's view across its turns (issue 23).
+METHOD_REVISIONS = {"cacheblend": 2, "droidspeak": 2, "relaycaching": 2}
+
+
+def revision(method: str) -> int:
+    """The current revision of ``method``'s stored rows (:data:`METHOD_REVISIONS`)."""
+    return METHOD_REVISIONS.get(method, 1)
+
+
+def stale(entry: dict | None, methods: list[str]) -> list[str]:
+    """The ``methods`` a stored question ``entry`` lacks, or holds at an older revision (all of them
+    when nothing is stored), in order."""
+    if entry is None:
+        return list(methods)
+    rows = entry["methods"]
+    return [m for m in methods if m not in rows or rows[m].get("revision", 1) < revision(m)]
+
 
 def _rounded(value):
     """``value`` (JSON-ready) with every float kept to :data:`SIGNIFICANT` significant digits."""
@@ -54,31 +73,40 @@ class PointStore:
     file per question under ``folder`` (``<question id>.json.gz``, floats kept to
     :data:`SIGNIFICANT` significant digits) plus ``point.json`` (the settings its questions were
     run with), so a study that stops resumes where it stopped and two processes can fill different
-    points of one ``--out`` folder.
+    points of one ``--out`` folder. Methods may be added to a stored point (``point.json`` then lists
+    the union): only the methods a question lacks, or holds at an older revision
+    (:data:`METHOD_REVISIONS`), run again (:meth:`lacking`).
 
     Raises:
-        StoredResultsError: ``folder`` holds questions run with other settings (it names both).
+        StoredResultsError: ``folder`` holds questions run with other settings than ``methods``
+            (it names both).
     """
 
     def __init__(self, folder: Path, settings: dict):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
+        self.methods = list(settings.get("methods") or [])
         meta = self.folder / "point.json"
         if not meta.is_file():
             meta.write_text(json.dumps(settings, indent=1) + "\n")
             return
         stored = json.loads(meta.read_text())
-        if stored != settings:
+        if {k: v for k, v in stored.items() if k != "methods"} != {
+            k: v for k, v in settings.items() if k != "methods"
+        }:
             differ = ", ".join(
                 f"{key} {stored.get(key)!r} there, {settings.get(key)!r} now"
                 for key in sorted(set(stored) | set(settings), key=str)
-                if stored.get(key) != settings.get(key)
+                if stored.get(key) != settings.get(key) and key != "methods"
             )
             raise StoredResultsError(
                 f"{self.folder} holds questions run with other settings ({differ}): pass the settings "
-                "they were run with (--methods, --max-steps, --max-new-tokens, --model, the same adapter "
-                "weights), or use another --out"
+                "they were run with (--max-steps, --max-new-tokens, --model, the same adapter weights), "
+                "or use another --out"
             )
+        union = [*stored.get("methods", []), *(m for m in self.methods if m not in stored.get("methods", []))]
+        if union != stored.get("methods"):  # methods added to the point: the stored rows are kept
+            meta.write_text(json.dumps({**stored, "methods": union}, indent=1) + "\n")
 
     def _path(self, question_id: str) -> Path:
         return self.folder / (re.sub(r"[^A-Za-z0-9_.-]", "_", str(question_id)) + ".json.gz")
@@ -86,6 +114,21 @@ class PointStore:
     def missing(self, questions: list) -> list:
         """The questions with no stored result, in order."""
         return [q for q in questions if not self._path(q.id).is_file()]
+
+    def entry(self, question) -> dict | None:
+        """The stored entry of ``question``, or None."""
+        path = self._path(question.id)
+        return json.loads(gzip.decompress(path.read_bytes())) if path.is_file() else None
+
+    def lacking(self, questions: list) -> list[tuple[object, list[str]]]:
+        """``(question, methods)`` for each question with methods of this point to run: not
+        stored, or stored at an older revision (:func:`stale`), in order."""
+        out = []
+        for q in questions:
+            need = stale(self.entry(q), self.methods)
+            if need:
+                out.append((q, need))
+        return out
 
     def stored(self, questions: list) -> list:
         """The questions with a stored result, in order."""
