@@ -113,7 +113,8 @@ def test_a_stream_preempted_mid_way_resumes_with_the_text_of_an_unpreempted_run(
 
 
 @pytest.mark.parametrize(
-    "method", ["nonshared", "prelrshared", "rebaseshared-lp", "rebaseshared-db", "cacheblend"]
+    "method",
+    ["nonshared", "prelrshared", "rebaseshared-lp", "rebaseshared-db", "rebaseownshared-db", "cacheblend"],
 )
 def test_n_choices_decode_in_the_same_steps_and_equal_the_forks_run_one_by_one(tiny, method):
     model, dirs, _ = tiny
@@ -166,7 +167,9 @@ def test_generate_refuses_n_and_generate_choices_returns_them(tiny):
 @given(
     data=st.data(),
     pool_blocks=st.integers(min_value=9, max_value=24),
-    method=st.sampled_from(["prelrshared", "nonshared", "rebaseshared-lp", "fullshared"]),
+    method=st.sampled_from(
+        ["prelrshared", "nonshared", "rebaseshared-lp", "rebaseownshared-lp", "fullshared"]
+    ),
 )
 def test_random_arrivals_cancellations_and_pool_sizes_keep_every_token(tiny, data, pool_blocks, method):
     model, dirs, _ = tiny

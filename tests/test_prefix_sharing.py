@@ -11,7 +11,16 @@ import torch
 
 from tests.tiny import make_engine
 
-METHODS = ["nonshared", "fullshared", "baseshared", "prelrshared", "rebaseshared-lp", "rebaseshared-db"]
+METHODS = [
+    "nonshared",
+    "fullshared",
+    "baseshared",
+    "prelrshared",
+    "rebaseshared-lp",
+    "rebaseshared-db",
+    "rebaseownshared-lp",
+    "rebaseownshared-db",
+]
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -49,7 +58,17 @@ def _turn(engine, prompt, agent):
     return s, s.generate(agent, max_new_tokens=2)
 
 
-@pytest.mark.parametrize("method", ["fullshared", "prelrshared", "rebaseshared-lp", "rebaseshared-db"])
+@pytest.mark.parametrize(
+    "method",
+    [
+        "fullshared",
+        "prelrshared",
+        "rebaseshared-lp",
+        "rebaseshared-db",
+        "rebaseownshared-lp",
+        "rebaseownshared-db",
+    ],
+)
 def test_a_new_trajectory_reuses_published_blocks_whoever_wrote_them(tiny, method):
     """40 common tokens = two full 16-token blocks reused by the second trajectory; its turn then
     equals a session where the first 32 tokens were read by the first agent and it continued."""
