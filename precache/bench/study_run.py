@@ -273,7 +273,7 @@ def run_study(
     With ``shard = (i, n)`` only this process's share of every point runs (:func:`run_point`)
     and the result is ``{"shard": [i, n]}``: the report comes from ``report_only`` once every
     shard is stored. With ``report_only`` nothing runs: the table covers the questions of ``questions`` stored at
-    scale 1, the sweep the first ``sweep_limit`` of them stored at every stored scale (a scale with
+    scale 1 with every method at its current revision, the sweep the first ``sweep_limit`` of them stored at every stored scale (a scale with
     nothing stored is left out); None when nothing is stored for this benchmark x adapter set.
 
     Raises:
@@ -285,7 +285,8 @@ def run_study(
     if main_store is None:
         return None
     if report_only:
-        questions = main_store.stored(questions)
+        lacking = {q.id for q, _ in main_store.lacking(questions)}
+        questions = [q for q in main_store.stored(questions) if q.id not in lacking]  # every method current
         if not questions:  # a study stopped during its first group leaves point.json alone
             return None
     main = points.run(main_store, 1.0, methods, questions, shard=shard, figure2=True)
