@@ -95,7 +95,14 @@ def kl_top1(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[list[float]
 
 
 def _turn_record(
-    reference, session, turn: Turn, ref_logits, logits, processed: int, writers: list[str | None]
+    reference,
+    session,
+    turn: Turn,
+    ref_logits,
+    logits,
+    processed: int,
+    writers: list[str | None],
+    errors: bool = True,
 ) -> dict:
     kl, same = kl_top1(ref_logits, logits)
     record = {
@@ -108,7 +115,7 @@ def _turn_record(
         "top1": sum(same) / len(same),
         **{f"{side}_error{part}": None for side in "kv" for part in ("", "_own", "_other")},
     }
-    if processed > 0:
+    if processed > 0 and errors:
         own = torch.tensor([w == turn.agent for w in writers[:processed]])
         parts = {
             "": None,
@@ -129,12 +136,16 @@ def held_bytes(session) -> int:
     return len(blocks) * session.method.pool.block_bytes
 
 
-def compare_trajectory(engines: dict, turns: list[Turn], reference: str = REFERENCE) -> dict[str, list[dict]]:
+def compare_trajectory(
+    engines: dict, turns: list[Turn], reference: str = REFERENCE, errors: set[str] | None = None
+) -> dict[str, list[dict]]:
     """Teacher-force ``turns`` on a fresh session of every engine in ``engines`` (by method name)
     in lockstep with a separate reference session of ``engines[reference]``.
 
     Returns ``{method: [per-turn record]}`` with the fields of the module docstring plus
-    ``agent``, ``position`` (tokens processed before the turn) and ``tokens`` (generated).
+    ``agent``, ``position`` (tokens processed before the turn) and ``tokens`` (generated). The
+    cache errors are measured for the methods in ``errors`` only (default: every one; None
+    elsewhere): materialising every layer's views is most of a replay's cost.
 
     Raises:
         KeyError: ``reference`` is not among ``engines``.
@@ -150,7 +161,8 @@ def compare_trajectory(engines: dict, turns: list[Turn], reference: str = REFERE
         for name, session in sessions.items():
             session.append(list(turn.appended))
             logits = forced_turn(session, turn.agent, turn.token_ids)
-            record = _turn_record(ref, session, turn, ref_logits, logits, processed, writers)
+            measured = errors is None or name in errors
+            record = _turn_record(ref, session, turn, ref_logits, logits, processed, writers, measured)
             record["kv_bytes"] = held_bytes(session)
             out[name].append(record)
         writers += [turn.agent] * (len(turn.appended) + len(turn.token_ids))

@@ -50,7 +50,8 @@ def run_questions(
 ) -> list[dict]:
     """Record NonShared episodes (``engines["nonshared"]``) on ``questions``, teacher-force the
     recorded trajectories under every engine (:func:`~precache.bench.fidelity.compare_trajectory`),
-    run the engines named in ``free`` (default: every one) free on the same questions. Returns one
+    run the engines named in ``free`` (default: every one) free on the same questions (the cache
+    errors of the forced replay are measured for those only). Returns one
     dict per question: ``{"id", "methods": {method: question_record}}`` (each free-run row with the
     method's ``revision``; an engine not run free gets only ``{"forced": ...}``), plus
     ``"figure2"`` (the :func:`~precache.bench.study_figure2.trajectory_transitions` of the recorded
@@ -69,7 +70,7 @@ def run_questions(
 
     reference = run_concurrently(record, questions, concurrency, desc=f"record {REFERENCE}")
     forced = run_concurrently(
-        lambda e: compare_trajectory(engines, e.turns, REFERENCE),
+        lambda e: compare_trajectory(engines, e.turns, REFERENCE, errors=set(free)),
         reference,
         concurrency,
         desc="teacher-forced",
@@ -99,13 +100,18 @@ def run_questions(
 
 def merged(entry: dict, stored: dict | None) -> dict:
     """``entry`` (:func:`run_questions`) over the question's ``stored`` one: a method not run free
-    keeps its stored row with the new teacher-forced records (the same replay, now with
-    ``kv_bytes``); the stored Figure 2 is kept when the entry has none."""
+    keeps its stored row, each teacher-forced turn with the ``kv_bytes`` of the new replay (the
+    same trajectory); the stored Figure 2 is kept when the entry has none."""
     if stored is None:
         return entry
     methods = dict(stored["methods"])
     for name, row in entry["methods"].items():
-        methods[name] = {**methods[name], **row} if set(row) == {"forced"} and name in methods else row
+        if set(row) == {"forced"} and name in methods:
+            old = methods[name]["forced"]
+            forced = [{**t, "kv_bytes": n["kv_bytes"]} for t, n in zip(old, row["forced"], strict=True)]
+            methods[name] = {**methods[name], "forced": forced}
+        else:
+            methods[name] = row
     out = {**stored, **entry, "methods": methods}
     if "figure2" not in entry and "figure2" in stored:
         out["figure2"] = stored["figure2"]
