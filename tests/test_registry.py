@@ -50,8 +50,9 @@ def test_registering_a_name_again_replaces_it(shapes):
 
 def test_the_methods_are_built_through_their_registry(tiny):
     model, _, _ = tiny
-    assert METHOD_REGISTRY.names == METHODS and len(METHODS) == 9
+    assert METHOD_REGISTRY.names == METHODS and len(METHODS) == 11
     assert make_method("ReBaseShared", model, {}).name == "rebaseshared-lp"
+    assert make_method("ReBaseOwnShared", model, {}).name == "rebaseownshared-lp"
     assert make_method("rebaseshared_db", model, {}).name == "rebaseshared-db"
     with pytest.raises(UnknownMethodError, match="unknown sharing method 'prelr' .methods: nonshared,"):
         make_method("prelr", model, {})
