@@ -312,10 +312,14 @@ class SharingMethod(ABC):
         """
         cached = self.cached_length(state)
         turn = n_tokens - cached
-        need = self.pool.blocks_for(n_tokens) + self.extra_turn_blocks(turn)
+        need = self.pool.blocks_for(n_tokens) + self.extra_turn_blocks(turn) + self.kept_blocks(state)
         need += (choices - 1) * (self.pool.blocks_for(turn) + 1 + self.extra_turn_blocks(turn))
         what = f"a {n_tokens}-token trajectory" + (f" with {choices} choices" if choices > 1 else "")
         self.pool.check_fits(need, f"{what} under {self.name}")
+
+    def kept_blocks(self, state: CacheState) -> int:
+        """Blocks ``state`` holds beyond the trajectory's own cache between turns (default none)."""
+        return 0
 
     def extra_turn_blocks(self, turn_tokens: int) -> int:
         """Blocks a turn of ``turn_tokens`` holds beyond the trajectory's own cache (default none)."""

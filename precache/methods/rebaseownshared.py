@@ -106,18 +106,9 @@ class ReBaseOwnShared(ReBaseShared):
         for key in [k for k, s in state.full.items() if s.length <= s.offset]:
             state.full.pop(key).release()
 
-    def check_fits(self, state: CacheState, n_tokens: int, choices: int = 1) -> None:
-        """As :meth:`SharingMethod.check_fits`, plus the blocks the own segments already hold.
-
-        Raises:
-            CacheCapacityError: the turn's caches need more blocks than the pool holds.
-        """
-        turn = n_tokens - self.cached_length(state)
-        need = self.pool.blocks_for(n_tokens) + self.extra_turn_blocks(turn)
-        need += sum(len(s.blocks) for s in state.full.values())
-        need += (choices - 1) * (self.pool.blocks_for(turn) + 1 + self.extra_turn_blocks(turn))
-        what = f"a {n_tokens}-token trajectory" + (f" with {choices} choices" if choices > 1 else "")
-        self.pool.check_fits(need, f"{what} under {self.name}")
+    def kept_blocks(self, state: CacheState) -> int:
+        """The blocks the own segments hold (counted by :meth:`SharingMethod.check_fits`)."""
+        return sum(len(s.blocks) for s in state.full.values())
 
     def check(self, state: CacheState) -> None:
         """ReBaseShared's invariants, and every own segment within the base and apart from the others.
