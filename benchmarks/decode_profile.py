@@ -18,6 +18,9 @@ parts are subtracted from their parent; a wrapper costs about a microsecond a ca
 - ``sampler + detokenizer``: ``Request.sample``.
 
     python benchmarks/decode_profile.py --methods nonshared,fullshared,prelrshared --batch 1,16
+
+``--per-row-decode`` runs every decode row's attention alone (the torch backend before decode rows
+were batched, issue 22), for an A/B in one process.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 
 import precache
 from precache.cache import plan as plan_module
+from precache.cache.attention import TorchBackend
 from precache.cache.planned_attention import PlannedAttention
 from precache.engine.request import Request
 from precache.models import llama
@@ -131,6 +135,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--quantization", default=None, choices=("int8",), help="int8 weight-only")
+    parser.add_argument(
+        "--per-row-decode", action="store_true", help="attend each decode row alone (no padded batches)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = precache.load_model(dtype=getattr(torch, args.dtype), quantization=args.quantization)
@@ -152,11 +159,13 @@ def main() -> None:
     rows = []
     for method in args.methods.split(","):
         engine = precache.Engine(model, adapters=adapter_set("qv"), method=method, prefix_caching=False)
+        if args.per_row_decode:
+            engine.attention = TorchBackend(batch_decode=False)
         for batch in (int(b) for b in args.batch.split(",")):
             step_s, parts = profile(engine, "plan", "action", batch, args.context, args.steps, clock)
             rows.append((method, batch, step_s, parts))
     print(
-        f"decode step, SmolLM2 {args.dtype}{' int8 weights' if args.quantization else ''}, qv adapters, {args.context} tokens of context, {args.threads} threads"
+        f"decode step, SmolLM2 {args.dtype}{' int8 weights' if args.quantization else ''}, qv adapters, {args.context} tokens of context, {args.threads} threads{', per-row decode attention' if args.per_row_decode else ''}"
     )
     print("| method | batch | step (ms) | tok/s | " + " | ".join(PARTS) + " |")
     print("|---|---|---|---|" + "---|" * len(PARTS))

@@ -47,8 +47,8 @@ def test_mixed_adapter_batch_equals_rows_alone(tmp_path):
     b = load_adapter(
         save_random_adapter(hf, tmp_path / "b", targets=("k_proj", "v_proj"), r=8, seed=2), ours.config
     )
-    seqs = [IDS, IDS[:7], IDS[3:15], IDS]
-    adapters = [a, None, b, b]
+    seqs = [IDS, IDS[:7], IDS[3:15], IDS, IDS[2:9]]
+    adapters = [a, None, b, b, a]  # b's rows adjacent (one slice), a's apart (gathered)
     batched = dense_logits(ours, seqs, adapters)
     for seq, adapter, got in zip(seqs, adapters, batched, strict=True):
         alone = dense_logits(ours, [seq], [adapter])[0]

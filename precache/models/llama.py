@@ -9,6 +9,8 @@ which cache entries to write from which hidden states and which view each row at
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,9 @@ from precache.models.config import MODEL_REGISTRY, ModelConfig
 from precache.models.contract import AttentionBackend, LayerInput, Row
 from precache.models.quant import Int8Weight, check_quantization
 from precache.models.rope import RotaryEmbedding, static_position_limit
+
+if TYPE_CHECKING:
+    from precache.lora.adapter import LoRAAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +76,42 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y if bias is None else y.add_(bias)
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, rows: list[Row], layer: int, proj: str) -> torch.Tensor:
-    """Add each row's LoRA delta ``s (x A) B`` to ``y`` in place. ``x`` ``[N, d_in]``, ``y`` ``[N, d_out]``."""
+@dataclass(frozen=True)
+class AdapterGroups:
+    """A forward's rows grouped by adapter, built once per forward (:func:`adapter_groups`):
+    ``groups`` holds ``(adapter, tokens)`` per distinct adapter, ``tokens`` a slice when its rows
+    are adjacent in the batch, else an index tensor ``[n]`` on the batch's device."""
+
+    groups: tuple[tuple[LoRAAdapter, slice | torch.Tensor], ...]
+
+
+def adapter_groups(rows: list[Row], device) -> AdapterGroups:
+    """Group ``rows`` by adapter (base rows, ``adapter=None``, get no group)."""
+    by_adapter: dict[int, tuple[LoRAAdapter, list[Row]]] = {}
     for row in rows:
-        if row.adapter is not None and row.adapter.has(layer, proj):
-            y[row.slice] += row.adapter.delta(x[row.slice], layer, proj)
+        if row.adapter is not None and row.end > row.start:
+            by_adapter.setdefault(id(row.adapter), (row.adapter, []))[1].append(row)
+    groups = []
+    for adapter, members in by_adapter.values():
+        if all(a.end == b.start for a, b in zip(members, members[1:], strict=False)):
+            groups.append((adapter, slice(members[0].start, members[-1].end)))
+        else:
+            idx = torch.cat([torch.arange(r.start, r.end) for r in members]).to(device)
+            groups.append((adapter, idx))
+    return AdapterGroups(tuple(groups))
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, rows: AdapterGroups, layer: int, proj: str) -> torch.Tensor:
+    """Add each row's LoRA delta ``s (x A) B`` to ``y`` in place, one product pair per adapter over
+    all its rows (a decode step of 16 rows ran 16 pairs per projection, issue 22). ``x``
+    ``[N, d_in]``, ``y`` ``[N, d_out]``."""
+    for adapter, tokens in rows.groups:
+        if not adapter.has(layer, proj):
+            continue
+        if isinstance(tokens, slice):
+            y[tokens] += adapter.delta(x[tokens], layer, proj)
+        else:
+            y.index_add_(0, tokens, adapter.delta(x.index_select(0, tokens), layer, proj))
     return y
 
 
@@ -206,23 +242,23 @@ class LlamaModel:
         _, k_lin, v_lin = linear(h, w["qkv"], w["qkv_bias"]).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         return self.finish_kv(layer, k_lin, v_lin, cos, sin)
 
-    def _attention_input(self, x, i, rows, cos, sin) -> LayerInput:
+    def _attention_input(self, x, i, groups, cos, sin) -> LayerInput:
         c, w = self.config, self.layers[i]
         h = rms_norm(x, w["input_norm"], c.rms_norm_eps)
         qkv = linear(h, w["qkv"], w["qkv_bias"])  # [N, q + 2 kv]
         q_lin, k_lin, v_lin = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = add_lora(q_lin, h, rows, i, "q_proj").view(-1, c.num_heads, c.head_dim)
+        q = add_lora(q_lin, h, groups, i, "q_proj").view(-1, c.num_heads, c.head_dim)
         if w["q_norm"] is not None:
             q = rms_norm(q, w["q_norm"], c.rms_norm_eps)
         return LayerInput(i, h, RotaryEmbedding.apply(q, cos, sin), cos, sin, self, k_lin, v_lin)
 
-    def _mlp(self, x, i, rows) -> torch.Tensor:
+    def _mlp(self, x, i, groups) -> torch.Tensor:
         c, w = self.config, self.layers[i]
         h = rms_norm(x, w["post_norm"], c.rms_norm_eps)
         gate_up = linear(h, w["gate_up"], w["gate_up_bias"])
         gate, up = gate_up.split([c.intermediate_size, c.intermediate_size], dim=-1)
-        gated = self.act(add_lora(gate, h, rows, i, "gate_proj")) * add_lora(up, h, rows, i, "up_proj")
-        return add_lora(linear(gated, w["down_proj"], w["down_proj_bias"]), gated, rows, i, "down_proj")
+        gated = self.act(add_lora(gate, h, groups, i, "gate_proj")) * add_lora(up, h, groups, i, "up_proj")
+        return add_lora(linear(gated, w["down_proj"], w["down_proj_bias"]), gated, groups, i, "down_proj")
 
     @torch.inference_mode()
     def forward(
@@ -255,13 +291,15 @@ class LlamaModel:
         x = self.embed[input_ids]  # [N, hidden]
         cos, sin = self.rope.tables(positions)
         narrow = getattr(attention, "narrow", None)  # selective recomputation (contract.Narrowing)
+        groups = adapter_groups(rows, x.device)
         for i, w in enumerate(self.layers):
-            attn = attention.attend(self._attention_input(x, i, rows, cos, sin))  # [N, Hq * D]
-            x = x + add_lora(linear(attn, w["o_proj"], w["o_proj_bias"]), attn, rows, i, "o_proj")
-            x = x + self._mlp(x, i, rows)
+            attn = attention.attend(self._attention_input(x, i, groups, cos, sin))  # [N, Hq * D]
+            x = x + add_lora(linear(attn, w["o_proj"], w["o_proj_bias"]), attn, groups, i, "o_proj")
+            x = x + self._mlp(x, i, groups)
             cut = narrow(i) if narrow is not None else None
             if cut is not None:
                 x, cos, sin, rows = x[cut.keep], cos[cut.keep], sin[cut.keep], cut.rows
+                groups = adapter_groups(rows, x.device)
         if logits_at is None:
             logits_at = [row.end - 1 for row in rows]
         last = rms_norm(x[logits_at], self.norm, c.rms_norm_eps)

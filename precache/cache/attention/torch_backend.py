@@ -1,12 +1,14 @@
 """The reference backend in plain torch (CPU and CUDA): each row's reads are materialised for the
 layer (contiguous pool pieces as views, scattered ones gathered) and fed to the segment maths of
-:mod:`precache.cache.attention.segments`."""
+:mod:`precache.cache.attention.segments`; one-query decode rows of similar lengths run as padded
+batches (:mod:`precache.cache.attention.decode_batch`)."""
 
 from __future__ import annotations
 
 import torch
 
 from precache.cache.attention.base import AttentionBackend, BatchMetadata, KVRead, register_backend
+from precache.cache.attention.decode_batch import DecodeBatches, decode_batches
 from precache.cache.attention.segments import Segment, attend
 
 
@@ -29,17 +31,31 @@ def segment_at(read: KVRead, layer: int, model) -> Segment:
 
 @register_backend
 class TorchBackend(AttentionBackend):
-    """One SDPA call per prefill row, an explicit softmax per decode row (segments read in place);
-    a row's sliding window (:meth:`RowAttention.window_at`) is applied at each layer."""
+    """One SDPA call per prefill row, an explicit softmax per decode row (segments read in place),
+    one padded batch per bucket of similar-length one-query decode rows; a row's sliding window
+    (:meth:`RowAttention.window_at`) is applied at each layer.
+
+    ``batch_decode=False`` runs every row alone (the per-row reference the batched path is tested
+    against)."""
 
     name = "torch"
 
+    def __init__(self, batch_decode: bool = True):
+        self.batch_decode = batch_decode
+
     def prepare(self, meta: BatchMetadata, model) -> None:
-        """Nothing to derive: each layer materialises the reads its rows see from ``meta.rows``."""
+        """Bucket the one-query decode rows and gather their key slots (once per forward); the
+        other rows materialise their reads at each layer from ``meta.rows``."""
+        meta.prepared = decode_batches(meta.rows) if self.batch_decode else DecodeBatches((), meta.rows)
 
     def forward(self, q: torch.Tensor, layer: int, meta: BatchMetadata, model) -> torch.Tensor:
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
-        for row in meta.rows:
+        prepared = meta.prepared
+        if not isinstance(prepared, DecodeBatches):  # prepared by another backend (a refusing one)
+            prepared = DecodeBatches((), meta.rows)
+        for bucket in prepared.buckets:
+            out[bucket.q_rows] = bucket.attend(q, layer, model)
+        for row in prepared.rest:
             window = row.window_at(layer)
             # reads wholly before the first query's window are never materialised
             first_visible = -1 if window is None else row.q_start - window + 1
