@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from precache.cache.attention import BatchMetadata, RowAttention, TorchBackend, get_backend
+from precache.cache.attention import BatchMetadata, RowAttention, TorchBackend, decode_batch, get_backend
 from precache.cache.attention.triton_metadata import _adapter_stacks
 from precache.cache.plan import run_plans
 from precache.cache.pool import KVPool, LRView, PagedStore
@@ -116,7 +116,7 @@ def test_torch_backend_equals_materialised_attention_on_random_rows(seed, window
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_batched_decode_rows_equal_materialised_attention(seed):
+def test_batched_decode_rows_equal_materialised_attention(seed, monkeypatch):
     """Many one-query rows of mixed lengths (agents with k and v LoRA, v only, none; a row's views
     split between LR and no LR; scattered blocks) run as padded decode buckets, and every row
     still equals the materialised reference; the per-row path agrees too."""
@@ -153,12 +153,15 @@ def test_batched_decode_rows_equal_materialised_attention(seed):
         reference_rows.append((n - 1, views))
     q = torch.randn(len(rows), c.num_heads, c.head_dim, generator=g)
     outs = []
+    if seed == 3:  # rows past the key cap keep the per-row path
+        monkeypatch.setattr(decode_batch, "BATCH_MAX_KEYS", 20)
     for batch_decode in (True, False):
         meta = BatchMetadata(tuple(rows), len(rows))
         backend = TorchBackend(batch_decode=batch_decode)
         backend.prepare(meta, model)
         batched = sum(bucket.q_rows.shape[0] for bucket in meta.prepared.buckets)
         assert batched >= (2 if batch_decode else 0) and (batch_decode or batched == 0)
+        assert all(bucket.slots.shape[1] <= decode_batch.BATCH_MAX_KEYS for bucket in meta.prepared.buckets)
         outs.append([backend.forward(q, layer, meta, model) for layer in range(c.num_layers)])
     for layer in range(c.num_layers):
         for row, (q_start, views) in zip(rows, reference_rows, strict=True):

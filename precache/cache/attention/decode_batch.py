@@ -10,8 +10,8 @@ for the rows that read it (DESIGN.md, Notation), so the values stay base + low r
 :func:`~precache.cache.attention.segments.attend`, which stays the reference the tests compare to.
 
 Rows are bucketed by length so that padding stays below :data:`PAD_SLACK` of the real slots;
-a bucket of one row, rows of several queries, rows under a sliding window and rows reading more
-than one pool run through the per-row path.
+a bucket of one row, rows of several queries, rows under a sliding window, rows reading more
+than one pool and rows reading more than :data:`BATCH_MAX_KEYS` keys run through the per-row path.
 """
 
 from __future__ import annotations
@@ -25,6 +25,11 @@ from precache.cache.attention.base import KVRead, RowAttention
 
 #: a bucket's padded slots stay within this factor of its real slots
 PAD_SLACK = 1.25
+#: rows reading more keys keep the per-row path: the gather copies every key once more per layer,
+#: and past about this many keys that costs what batching saves (SmolLM2, 16 rows, 2 threads:
+#: batched 35 against 187 ms at 256 keys, 138 against 163 at 1,024, 360 against 393 at 2,048;
+#: at 1 thread even at 512; ``benchmarks/decode_attention_micro.py``, RESULTS.md issue 22)
+BATCH_MAX_KEYS = 2048
 
 
 @dataclass(frozen=True)
@@ -118,9 +123,10 @@ def _pool_rows(read: KVRead) -> torch.Tensor:
     return rows.cpu()
 
 
-def _batchable(row: RowAttention) -> bool:
+def _batchable(row: RowAttention, n_keys: int) -> bool:
     return (
         row.q_rows.stop - row.q_rows.start == 1
+        and n_keys <= BATCH_MAX_KEYS
         and row.window is None
         and len(row.reads) > 0
         and all(r.pool is row.reads[0].pool for r in row.reads)
@@ -205,8 +211,9 @@ def decode_batches(rows: tuple[RowAttention, ...]) -> DecodeBatches:
     """Bucket the batchable rows of a forward (:class:`DecodeBatches`), once per forward."""
     batchable, rest = [], []
     for row in rows:
-        if _batchable(row):
-            batchable.append((row, sum(r.end - r.start for r in row.reads)))
+        n_keys = sum(r.end - r.start for r in row.reads)
+        if _batchable(row, n_keys):
+            batchable.append((row, n_keys))
         else:
             rest.append(row)
     buckets = []
