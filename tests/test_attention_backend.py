@@ -155,13 +155,14 @@ def test_batched_decode_rows_equal_materialised_attention(seed, monkeypatch):
     outs = []
     if seed == 3:  # rows past the key cap keep the per-row path
         monkeypatch.setattr(decode_batch, "BATCH_MAX_KEYS", 20)
+        monkeypatch.setattr(decode_batch, "BATCH_MAX_KEYS_ONE_THREAD", 20)
     for batch_decode in (True, False):
         meta = BatchMetadata(tuple(rows), len(rows))
         backend = TorchBackend(batch_decode=batch_decode)
         backend.prepare(meta, model)
         batched = sum(bucket.q_rows.shape[0] for bucket in meta.prepared.buckets)
         assert batched >= (2 if batch_decode else 0) and (batch_decode or batched == 0)
-        assert all(bucket.slots.shape[1] <= decode_batch.BATCH_MAX_KEYS for bucket in meta.prepared.buckets)
+        assert all(bucket.slots.shape[1] <= decode_batch.batch_max_keys() for bucket in meta.prepared.buckets)
         outs.append([backend.forward(q, layer, meta, model) for layer in range(c.num_layers)])
     for layer in range(c.num_layers):
         for row, (q_start, views) in zip(rows, reference_rows, strict=True):

@@ -11,7 +11,7 @@ for the rows that read it (DESIGN.md, Notation), so the values stay base + low r
 
 Rows are bucketed by length so that padding stays below :data:`PAD_SLACK` of the real slots;
 a bucket of one row, rows of several queries, rows under a sliding window, rows reading more
-than one pool and rows reading more than :data:`BATCH_MAX_KEYS` keys run through the per-row path.
+than one pool and rows reading more keys than :func:`batch_max_keys` run through the per-row path.
 """
 
 from __future__ import annotations
@@ -27,9 +27,17 @@ from precache.cache.attention.base import KVRead, RowAttention
 PAD_SLACK = 1.25
 #: rows reading more keys keep the per-row path: the gather copies every key once more per layer,
 #: and past about this many keys that costs what batching saves (SmolLM2, 16 rows, 2 threads:
-#: batched 35 against 187 ms at 256 keys, 138 against 163 at 1,024, 360 against 393 at 2,048;
-#: at 1 thread even at 512; ``benchmarks/decode_attention_micro.py``, RESULTS.md issue 22)
+#: batched 35 against 187 ms at 256 keys, 138 against 163 at 1,024, 360 against 393 at 2,048,
+#: even at 3,072; ``benchmarks/decode_attention_micro.py``, RESULTS.md issue 22)
 BATCH_MAX_KEYS = 2048
+#: the same at one torch thread, where the per-row products pay no thread start-up (batched 47
+#: against 55 ms at 384 keys, 80-122 against 68-111 at 512, three runs each)
+BATCH_MAX_KEYS_ONE_THREAD = 384
+
+
+def batch_max_keys() -> int:
+    """The most keys a row may read and still join a decode bucket, at the current torch threads."""
+    return BATCH_MAX_KEYS if torch.get_num_threads() > 1 else BATCH_MAX_KEYS_ONE_THREAD
 
 
 @dataclass(frozen=True)
@@ -123,10 +131,10 @@ def _pool_rows(read: KVRead) -> torch.Tensor:
     return rows.cpu()
 
 
-def _batchable(row: RowAttention, n_keys: int) -> bool:
+def _batchable(row: RowAttention, n_keys: int, max_keys: int) -> bool:
     return (
         row.q_rows.stop - row.q_rows.start == 1
-        and n_keys <= BATCH_MAX_KEYS
+        and n_keys <= max_keys
         and row.window is None
         and len(row.reads) > 0
         and all(r.pool is row.reads[0].pool for r in row.reads)
@@ -210,9 +218,10 @@ class DecodeBatches:
 def decode_batches(rows: tuple[RowAttention, ...]) -> DecodeBatches:
     """Bucket the batchable rows of a forward (:class:`DecodeBatches`), once per forward."""
     batchable, rest = [], []
+    max_keys = batch_max_keys()
     for row in rows:
         n_keys = sum(r.end - r.start for r in row.reads)
-        if _batchable(row, n_keys):
+        if _batchable(row, n_keys, max_keys):
             batchable.append((row, n_keys))
         else:
             rest.append(row)
