@@ -65,6 +65,43 @@ def _reference(model, q, q_start, views, layer, window=None):
     return torch.einsum("htn,nhd->thd", probs, v).reshape(T, -1)
 
 
+def _random_pool(model, g, num_blocks):
+    """Agents ``kv`` (k and v LoRA, rank 3) and ``v`` (v only, rank 5), and a pool of ``num_blocks``
+    blocks of 4 filled with random K, V and LR rows."""
+    c = model.config
+    adapters = {
+        "kv": _adapter("kv", model, 3, ["k_proj", "v_proj"], g),
+        "v": _adapter("v", model, 5, ["v_proj"], g),
+    }
+    ranks = {"kv": (3, 3), "v": (0, 5)}
+    probe = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, ranks, 1 << 30, 4)
+    pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, ranks, num_blocks * probe.block_bytes, 4)
+    pool.k.normal_(generator=g)
+    pool.v.normal_(generator=g)
+    pool.lr.normal_(generator=g)
+    return adapters, pool
+
+
+def _scattered_store(pool, n, rnd):
+    """A store of ``n`` tokens over scattered blocks: a random free block each time."""
+    store = PagedStore(pool)
+    for _ in range(pool.blocks_for(n)):
+        store.blocks.append(pool.allocator.allocate(after=rnd.randrange(pool.num_blocks)))
+    store.commit(n)
+    return store
+
+
+def _random_views(store, n, adapters, rnd):
+    """``store`` read by a random agent (or none) as two views cut at a random position, the second
+    with or without the agent's LR part; empty views dropped."""
+    agent = rnd.choice(["kv", "v", None])
+    lr = LRView(store, agent, n) if agent else None
+    ad = adapters[agent] if agent else None
+    cut = rnd.randint(0, n)
+    views = [View(store, 0, cut, lr, ad), View(store, cut, n, lr if rnd.random() < 0.5 else None, ad)]
+    return [v for v in views if v.end > v.start]
+
+
 @pytest.mark.parametrize("windowed", [False, True])
 @pytest.mark.parametrize("seed", range(6))
 def test_torch_backend_equals_materialised_attention_on_random_rows(seed, windowed):
@@ -74,32 +111,15 @@ def test_torch_backend_equals_materialised_attention_on_random_rows(seed, window
     c = model.config
     g = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
-    adapters = {
-        "kv": _adapter("kv", model, 3, ["k_proj", "v_proj"], g),
-        "v": _adapter("v", model, 5, ["v_proj"], g),
-    }
-    ranks = {"kv": (3, 3), "v": (0, 5)}
-    probe = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, ranks, 1 << 30, 4)
-    pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, ranks, 64 * probe.block_bytes, 4)
-    pool.k.normal_(generator=g)
-    pool.v.normal_(generator=g)
-    pool.lr.normal_(generator=g)
+    adapters, pool = _random_pool(model, g, 64)
     windows = (None, rnd.randint(1, 12)) if windowed else None
     rows, reference_rows, start = [], [], 0
     for _ in range(rnd.randint(1, 5)):
         n = rnd.randint(2, 40)
-        store = PagedStore(pool)
-        for _ in range(pool.blocks_for(n)):  # scattered blocks: a random free block each time
-            store.blocks.append(pool.allocator.allocate(after=rnd.randrange(pool.num_blocks)))
-        store.commit(n)
+        store = _scattered_store(pool, n, rnd)
         T = rnd.choice([1, 2, 4, 5, n]) if n > 1 else 1
         T = min(T, n)
-        agent = rnd.choice(["kv", "v", None])
-        lr = LRView(store, agent, n) if agent else None
-        ad = adapters[agent] if agent else None
-        cut = rnd.randint(0, n)
-        views = [View(store, 0, cut, lr, ad), View(store, cut, n, lr if rnd.random() < 0.5 else None, ad)]
-        views = [v for v in views if v.end > v.start]
+        views = _random_views(store, n, adapters, rnd)
         reads = tuple(r for v in views for r in view_reads(model, v, split_runs=T <= 4))
         rows.append(RowAttention(slice(start, start + T), n - T, reads, windows))
         reference_rows.append((n - T, views))
@@ -124,30 +144,13 @@ def test_batched_decode_rows_equal_materialised_attention(seed, monkeypatch):
     c = model.config
     g = torch.Generator().manual_seed(100 + seed)
     rnd = random.Random(seed)
-    adapters = {
-        "kv": _adapter("kv", model, 3, ["k_proj", "v_proj"], g),
-        "v": _adapter("v", model, 5, ["v_proj"], g),
-    }
+    adapters, pool = _random_pool(model, g, 200)
     del adapters["kv"].weights[(1, "k_proj")]  # layer 1: v only for "kv"
-    ranks = {"kv": (3, 3), "v": (0, 5)}
-    probe = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, ranks, 1 << 30, 4)
-    pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, ranks, 200 * probe.block_bytes, 4)
-    pool.k.normal_(generator=g)
-    pool.v.normal_(generator=g)
-    pool.lr.normal_(generator=g)
     rows, reference_rows = [], []
     for b in range(rnd.randint(6, 12)):
         n = rnd.choice([rnd.randint(1, 12), rnd.randint(30, 40)])  # two length classes: two buckets
-        store = PagedStore(pool)
-        for _ in range(pool.blocks_for(n)):
-            store.blocks.append(pool.allocator.allocate(after=rnd.randrange(pool.num_blocks)))
-        store.commit(n)
-        agent = rnd.choice(["kv", "v", None])
-        lr = LRView(store, agent, n) if agent else None
-        ad = adapters[agent] if agent else None
-        cut = rnd.randint(0, n)
-        views = [View(store, 0, cut, lr, ad), View(store, cut, n, lr if rnd.random() < 0.5 else None, ad)]
-        views = [v for v in views if v.end > v.start]
+        store = _scattered_store(pool, n, rnd)
+        views = _random_views(store, n, adapters, rnd)
         reads = tuple(r for v in views for r in view_reads(model, v, split_runs=rnd.random() < 0.5))
         rows.append(RowAttention(slice(b, b + 1), n - 1, reads))
         reference_rows.append((n - 1, views))
