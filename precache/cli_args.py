@@ -49,8 +49,8 @@ QUANTIZATIONS = ("int8",)
 
 def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
     """``--dtype float32 | bfloat16`` (default: ``precache.load_model``'s, bfloat16 on CUDA and
-    float32 on a CPU) and ``--quantization int8`` (int8 weight-only on a CPU); README, "Precision
-    on CPU"."""
+    float32 on a CPU), ``--quantization int8`` (int8 weight-only on a CPU) and ``--compile-decode``
+    (compiled one-token forwards on a CPU); README, "Precision on CPU"."""
     parser.add_argument(
         "--dtype",
         choices=DTYPES,
@@ -63,11 +63,22 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="int8: the projections and LM head as int8 weight-only, on a CPU (compute and KV caches stay at --dtype)",
     )
+    parser.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="run one-token forwards (single-stream decode) through compiled per-layer blocks, on a "
+        "CPU with dense weights (the first one compiles for seconds)",
+    )
 
 
 def model_options(args: argparse.Namespace) -> dict:
-    """``load_model``'s ``dtype`` and ``quantization`` from ``--dtype`` and ``--quantization``."""
-    return {"dtype": dtype_of(args), "quantization": getattr(args, "quantization", None)}
+    """``load_model``'s ``dtype``, ``quantization`` and ``compile_decode`` from ``--dtype``,
+    ``--quantization`` and ``--compile-decode``."""
+    return {
+        "dtype": dtype_of(args),
+        "quantization": getattr(args, "quantization", None),
+        "compile_decode": getattr(args, "compile_decode", False),
+    }
 
 
 def dtype_of(args: argparse.Namespace):

@@ -110,11 +110,16 @@ class EngineSpec:
     dtype: str | None = None  # a torch dtype name; None: the loader's default
     device: str | None = None
     quantization: str | None = None  # "int8": int8 weight-only (precache.models.quant)
+    compile_decode: bool = False  # compiled one-token forwards (precache.models.compiled)
 
     def __call__(self):
         dtype = getattr(torch, self.dtype) if self.dtype else None
         model = precache.load_model(
-            self.model, dtype=dtype, device=self.device, quantization=self.quantization
+            self.model,
+            dtype=dtype,
+            device=self.device,
+            quantization=self.quantization,
+            compile_decode=self.compile_decode,
         )
         return precache.Engine(
             model, adapters=self.adapters, method=self.method, kv_cache_bytes=self.kv_cache_bytes
@@ -313,7 +318,14 @@ def serve_from_args(args) -> int:
     gpus = args.num_gpus_per_replica or 0.0
     device = args.device or ("cuda" if gpus > 0 else None)
     spec = EngineSpec(
-        str(folder), adapters, args.method, args.kv_cache_bytes, args.dtype, device, args.quantization
+        str(folder),
+        adapters,
+        args.method,
+        args.kv_cache_bytes,
+        args.dtype,
+        device,
+        args.quantization,
+        args.compile_decode,
     )
     cluster = ClusterConfig(
         replicas=args.replicas or 1,

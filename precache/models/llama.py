@@ -68,7 +68,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         or x.device.type != "cpu"
     ):
         return F.linear(x, weight, bias)
+    return split_product(x, weight, bias, parts)
+
+
+def split_product(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, parts: int
+) -> torch.Tensor:
+    """``x Wᵀ (+ bias)`` as one batched product over ``parts`` slices of ``weight``'s output rows
+    (``weight.shape[0]`` divisible by ``parts``): :func:`linear`'s CPU path, and the products of
+    the compiled decode blocks (:mod:`precache.models.compiled`)."""
     n, d_in = x.shape
+    n_out = weight.shape[0]
     y = torch.bmm(
         x.unsqueeze(0).expand(parts, n, d_in), weight.view(parts, n_out // parts, d_in).transpose(1, 2)
     )
@@ -178,6 +188,7 @@ class LlamaModel:
         self.act = ACT2FN[config.hidden_act]
         self.rope = RotaryEmbedding(hf_config, config.head_dim, self.max_context, self.dtype, self.device)
         self.quantization: str | None = None  # "int8" after quantize()
+        self.decode_blocks = None  # precache.models.compiled.DecodeBlocks after compile_decode()
 
     def _layer_weights(self, state: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
         p, c = f"model.layers.{i}.", self.config
@@ -227,6 +238,18 @@ class LlamaModel:
         if not isinstance(self.lm_head, Int8Weight):
             self.lm_head = Int8Weight.quantize(self.lm_head)
         self.quantization = quantization
+
+    def compile_decode(self) -> None:
+        """Run one-token forwards through compiled per-layer blocks (:mod:`precache.models.compiled`).
+
+        Raises:
+            ValueError: the model is not on the CPU, or its weights are int8 (the compiled blocks
+                multiply dense weights).
+        """
+        from precache.models.compiled import DecodeBlocks, check_compile_decode  # they import this module
+
+        check_compile_decode(str(self.device), self.quantization)
+        self.decode_blocks = DecodeBlocks(self)
 
     def finish_kv(self, layer: int, k_lin, v_lin, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """``(K after k-norm and RoPE, V)`` ``[n, n_kv_heads, head_dim]`` from linear projections."""
@@ -292,16 +315,24 @@ class LlamaModel:
         cos, sin = self.rope.tables(positions)
         narrow = getattr(attention, "narrow", None)  # selective recomputation (contract.Narrowing)
         groups = adapter_groups(rows, x.device)
+        blocks = self.decode_blocks if x.shape[0] == 1 else None  # compile_decode(): one token
+        adapter = next(r.adapter for r in rows if r.end > r.start) if blocks is not None else None
         for i, w in enumerate(self.layers):
-            attn = attention.attend(self._attention_input(x, i, groups, cos, sin))  # [N, Hq * D]
-            x = x + add_lora(linear(attn, w["o_proj"], w["o_proj_bias"]), attn, groups, i, "o_proj")
-            x = x + self._mlp(x, i, groups)
+            if blocks is not None and x.shape[0] == 1 and blocks.covers(i, adapter):
+                attn = attention.attend(blocks.attention_input(x, i, adapter, cos, sin))
+                x = blocks.after_attention(x, attn, i)
+            else:
+                attn = attention.attend(self._attention_input(x, i, groups, cos, sin))  # [N, Hq * D]
+                x = x + add_lora(linear(attn, w["o_proj"], w["o_proj_bias"]), attn, groups, i, "o_proj")
+                x = x + self._mlp(x, i, groups)
             cut = narrow(i) if narrow is not None else None
             if cut is not None:
                 x, cos, sin, rows = x[cut.keep], cos[cut.keep], sin[cut.keep], cut.rows
                 groups = adapter_groups(rows, x.device)
         if logits_at is None:
             logits_at = [row.end - 1 for row in rows]
+        if blocks is not None and x.shape[0] == 1 and list(logits_at) == [0]:
+            return blocks.logits(x)
         last = rms_norm(x[logits_at], self.norm, c.rms_norm_eps)
         return linear(last, self.lm_head).float()
 
