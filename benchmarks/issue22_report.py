@@ -22,7 +22,7 @@ def report(path: str) -> str:
     cfg = d.get("config", {})
     out = [
         f"`{path}`: trace {d['trace']}, dtype {cfg.get('dtype') or 'float32'}"
-        f"{', int8 weights' if cfg.get('quantization') else ''}, {d['repeats']} repeats "
+        f"{', int8 weights' if cfg.get('quantization') else ''}{', --compile-decode' if cfg.get('compile_decode') else ''}, {d['repeats']} repeats "
         f"(min / median / max)",
         "",
         "| method | sum TTFT (s) | sum latency (s) | decode (tok/s) | prefill tokens | peak KV (MiB) |",
