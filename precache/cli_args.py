@@ -67,7 +67,7 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
         "--compile-decode",
         action="store_true",
         help="run one-token forwards (single-stream decode) through compiled per-layer blocks, on a "
-        "CPU with dense weights (the first one compiles for seconds)",
+        "CPU with dense weights (compiled at load: seconds)",
     )
 
 

@@ -43,7 +43,7 @@ def load_model(
     ``quantization="int8"`` holds the projections and the LM head as int8 weight-only on a CPU
     (:mod:`precache.models.quant`; compute and KV caches stay at ``dtype``). ``compile_decode=True``
     runs one-token forwards (single-stream decode) through compiled per-layer blocks on a CPU
-    (:mod:`precache.models.compiled`; the first such forward compiles for seconds).
+    (:mod:`precache.models.compiled`; compiled at load, seconds).
 
     Raises:
         ModelLoadError: the path is missing, malformed, not a Llama-family architecture, has a

@@ -19,8 +19,9 @@ operation; results differ by float rounding only (``tests/test_compiled.py``).
 
 A layer falls back to the eager blocks when the row's adapter adapts o_proj or an MLP projection
 there (their LoRA terms stay eager), so every adapter runs, and forwards of more than one token
-(prefill, batched decode) run eager. The first one-token forward compiles (seconds; once per
-adapter rank and bias layout).
+(prefill, batched decode) run eager. ``LlamaModel.compile_decode`` compiles at load (a one-token
+forward of the base model, seconds); an adapter's q LoRA compiles one more variant of the first
+block at its first one-token forward (once per rank and bias layout).
 """
 
 from __future__ import annotations

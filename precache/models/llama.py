@@ -240,7 +240,8 @@ class LlamaModel:
         self.quantization = quantization
 
     def compile_decode(self) -> None:
-        """Run one-token forwards through compiled per-layer blocks (:mod:`precache.models.compiled`).
+        """Run one-token forwards through compiled per-layer blocks (:mod:`precache.models.compiled`),
+        compiled here (seconds: one base-model forward of one token).
 
         Raises:
             ValueError: the model is not on the CPU, or its weights are int8 (the compiled blocks
@@ -250,6 +251,10 @@ class LlamaModel:
 
         check_compile_decode(str(self.device), self.quantization)
         self.decode_blocks = DecodeBlocks(self)
+        # compile now (a one-token, cache-free forward of the base model), not in the first request's
+        # decode; an adapter's q LoRA compiles one more variant of the first block at its first use
+        token = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.forward(token, token, [Row(0, 1)], DenseAttention([Row(0, 1)]))
 
     def finish_kv(self, layer: int, k_lin, v_lin, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """``(K after k-norm and RoPE, V)`` ``[n, n_kv_heads, head_dim]`` from linear projections."""
