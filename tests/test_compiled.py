@@ -79,6 +79,21 @@ def test_compiled_decode_matches_the_eager_forward(tmp_path, monkeypatch, kind, 
     assert torch.allclose(got_logits, ref_logits, atol=1e-4, rtol=1e-4), (got_logits - ref_logits).abs().max()
 
 
+def test_compiled_decode_in_bf16_tracks_the_eager_bf16_forward(tmp_path):
+    hf = tiny_hf_model("llama", seed=4, num_layers=2)
+    dirs = _adapters(hf, tmp_path)
+    hf = hf.to(torch.bfloat16)
+    eager = model_from_hf(copy.deepcopy(hf))
+    compiled = model_from_hf(copy.deepcopy(hf))
+    compiled.compile_decode()
+    assert compiled.dtype == torch.bfloat16
+    got_logits, got_tokens = _replay(compiled, dirs, "prelrshared")
+    ref_logits, ref_tokens = _replay(eager, dirs, "prelrshared")
+    assert got_tokens == ref_tokens
+    # bf16 keeps ~3 significant digits; fused loops round at other points than eager kernels
+    assert (got_logits - ref_logits).abs().max() <= 0.05 * ref_logits.abs().max()
+
+
 def test_compile_decode_refused_where_it_does_not_run(tmp_path):
     import precache
 
