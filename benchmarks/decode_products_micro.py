@@ -29,16 +29,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from precache.models.llama import split_product
+
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 LAYERS = 30
-
-
-def _output_split(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    p = torch.get_num_threads()
-    n, d_in = x.shape
-    d_out = w.shape[0]
-    y = torch.bmm(x.unsqueeze(0).expand(p, n, d_in), w.view(p, d_out // p, d_in).transpose(1, 2))
-    return y.transpose(0, 1).reshape(n, d_out)
 
 
 def _input_split(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
@@ -73,7 +67,10 @@ def main() -> None:
     flat = torch.ones(fp32_bytes // 4)
     kernels = {
         "fp32 F.linear": (lambda: [F.linear(x[w.shape[1]], w) for w in dense], fp32_bytes),
-        "fp32 output split": (lambda: [_output_split(x[w.shape[1]], w) for w in dense], fp32_bytes),
+        "fp32 output split": (
+            lambda: [split_product(x[w.shape[1]], w, None, args.threads) for w in dense],
+            fp32_bytes,
+        ),
         "fp32 input split": (lambda: [_input_split(x[w.shape[0]], w) for w in transposed], fp32_bytes),
         "bf16 F.linear": (lambda: [F.linear(xb[w.shape[1]], w) for w in bf16], fp32_bytes // 2),
         "int8 kernel": (
