@@ -17,6 +17,7 @@ from precache.cache.attention.torch_backend import TorchBackend
 from precache.cache.planned_attention import PlannedAttention
 from precache.cache.pool import PagedStore
 from precache.cache.rowplan import BaseWrite, FullWrite, LRWrite, Recompute, RowPlan, View
+from precache.cache.step_inputs import decode_step_inputs, write_step
 from precache.cache.views import materialise_view
 from precache.errors import ContextLengthError
 from precache.models.contract import Row
@@ -105,13 +106,38 @@ def run_plans(
     if last >= model.max_context:
         raise ContextLengthError(f"position {last} is past the context length {model.max_context}")
     reserve_writes(batch)
-    ids = torch.tensor([t for p in batch for t in p.token_ids], device=model.device)
-    positions = torch.cat([torch.arange(p.pos0, p.end) for p in batch]).to(model.device)  # one copy
     wanted = [j for j, p in enumerate(batch) if p.want_logits]
-    attention = PlannedAttention(model, batch, backend or TorchBackend())
-    logits = model.forward(ids, positions, rows, attention, logits_at=[rows[j].end - 1 for j in wanted])
+    logits = _captured_step(model, batch)
+    if logits is not None:
+        logits = logits[wanted]
+    else:
+        logits = _eager_forward(model, batch, rows, wanted, backend)
     _commit(batch)
     result: list[torch.Tensor | None] = [None] * len(plans)
     for k, j in enumerate(wanted):
         result[order[j]] = logits[k]
     return result
+
+
+def _captured_step(model, batch: list[RowPlan]) -> torch.Tensor | None:
+    """Logits ``[B, vocab]`` of a decode step run as the model's captured graph
+    (:mod:`precache.models.step_graph`), its entries written into the pool after it; None when
+    the model has no graph or the graph does not run this batch (:func:`decode_step_inputs`)."""
+    graph = getattr(model, "decode_graph", None)
+    if graph is None:
+        return None
+    pool = next((w.paged.pool for p in batch for w in p.writes), None)
+    prepared = decode_step_inputs(model, batch, pool) if pool is not None else None
+    if prepared is None:
+        return None
+    inputs, writes = prepared
+    out = graph(inputs, pool.k, pool.v, pool.lr)
+    write_step(pool, out, writes)
+    return out.logits
+
+
+def _eager_forward(model, batch, rows, wanted, backend) -> torch.Tensor:
+    ids = torch.tensor([t for p in batch for t in p.token_ids], device=model.device)
+    positions = torch.cat([torch.arange(p.pos0, p.end) for p in batch]).to(model.device)  # one copy
+    attention = PlannedAttention(model, batch, backend or TorchBackend())
+    return model.forward(ids, positions, rows, attention, logits_at=[rows[j].end - 1 for j in wanted])

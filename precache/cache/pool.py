@@ -89,6 +89,8 @@ class KVPool:
         #: the agents' LR down-projections side by side, per layer and adapter set
         #: (:class:`~precache.cache.planned_attention` writes every agent's LR rows in one product)
         self.fused_lr_down: dict[tuple, tuple] = {}
+        #: the compiled decode step's LoRA stacks and LR down-projections (:mod:`precache.cache.step_inputs`)
+        self.step_cache: dict = {}
         self._stores: weakref.WeakSet[PagedStore] = weakref.WeakSet()
 
     @property
@@ -136,6 +138,7 @@ class KVPool:
         cols_k, _ = self.lr_cols.pop(agent)
         self.free_lr.append((cols_k.start, self._lr_widths.pop(agent)))
         self.fused_lr_down.clear()  # it holds the unloaded adapter
+        self.step_cache.clear()
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy every layer's keys, values and LR rows of block ``src`` into ``dst``."""

@@ -109,3 +109,56 @@ class AttentionBackend(Protocol):
     of :class:`precache.cache.rowplan.Recompute`)."""
 
     def attend(self, x: LayerInput) -> torch.Tensor: ...
+
+
+@dataclass
+class DecodeStepInputs:
+    """The fixed tensors of one captured decode step (:mod:`precache.models.step_graph`), filled by
+    the cache (:mod:`precache.cache.step_inputs`) from the step's row plans: ``B`` one-token rows,
+    each reading ``L`` pool rows (its keys, padded to the longest row).
+
+    Per row: ``token_ids``, ``positions`` ``[B]``; ``adapter`` ``[B]`` the row's index into the LoRA
+    stacks (0: base model); ``self_full`` ``[B]`` bool: the row's own new entry is the adapted
+    (full) K/V, not the base one.
+
+    Per key: ``slots`` ``[B, L]`` pool rows; ``key_positions`` ``[B, L]``; ``key_valid`` ``[B, L]``
+    bool (False at padding); ``is_self`` ``[B, L]`` bool, the key of the row's own token (written
+    after the step, so the graph reads it from what it computes); ``lr_on`` ``[B, L]`` bool, True
+    where the key adds the row's LR part ``RoPE(s Lk B^k)``, ``s Lv B^v``, DESIGN.md Notation).
+
+    LR reads: ``lr_cols`` ``[B, rank_k + rank_v]`` the pool's LR columns the row reads (key then
+    value columns), ``lr_adapter`` ``[B]`` the stack index of the adapter whose ``B^k``/``B^v`` lift
+    them. ``stacks`` maps a projection (``q_proj`` .. ``down_proj``) to ``(A [n_adapters + 1,
+    n_layers, d_in, rank], s B [n_adapters + 1, n_layers, rank, d_out])`` (index 0 and layers
+    without the projection: zeros); ``lr_down`` ``[n_layers, hidden, C]``: every agent's ``A^k``/``A^v``
+    in the pool's LR column order (None when the step writes and reads no LR cache).
+    """
+
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    adapter: torch.Tensor
+    self_full: torch.Tensor
+    slots: torch.Tensor
+    key_positions: torch.Tensor
+    key_valid: torch.Tensor
+    is_self: torch.Tensor
+    lr_on: torch.Tensor
+    lr_cols: torch.Tensor
+    lr_adapter: torch.Tensor
+    stacks: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    lr_down: torch.Tensor | None
+
+
+@dataclass
+class DecodeStepOutputs:
+    """What a captured decode step returns: ``logits`` ``[B, vocab]`` (fp32) and every layer's new
+    entries, written into the pool after the step: ``k_base``/``v_base`` (adapter-free),
+    ``k_full``/``v_full`` (with the row's adapter) ``[n_layers, B, n_kv_heads, head_dim]`` (keys
+    after RoPE), ``lr`` ``[n_layers, B, C]`` (``h A`` of every agent's LR columns; None without LR)."""
+
+    logits: torch.Tensor
+    k_base: torch.Tensor
+    v_base: torch.Tensor
+    k_full: torch.Tensor
+    v_full: torch.Tensor
+    lr: torch.Tensor | None

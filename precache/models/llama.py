@@ -188,7 +188,7 @@ class LlamaModel:
         self.act = ACT2FN[config.hidden_act]
         self.rope = RotaryEmbedding(hf_config, config.head_dim, self.max_context, self.dtype, self.device)
         self.quantization: str | None = None  # "int8" after quantize()
-        self.decode_blocks = None  # precache.models.compiled.DecodeBlocks after compile_decode()
+        self.decode_graph = None  # precache.models.step_graph.DecodeGraph after compile()
 
     def _layer_weights(self, state: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
         p, c = f"model.layers.{i}.", self.config
@@ -239,22 +239,18 @@ class LlamaModel:
             self.lm_head = Int8Weight.quantize(self.lm_head)
         self.quantization = quantization
 
-    def compile_decode(self) -> None:
-        """Run one-token forwards through compiled per-layer blocks (:mod:`precache.models.compiled`),
-        compiled here (seconds: one base-model forward of one token).
+    def compile(self, compiled: bool = True) -> None:
+        """Run decode steps as one captured graph (:mod:`precache.models.step_graph`): the engine's
+        one-token batches then run through :attr:`decode_graph`, compiled by inductor at each new
+        LoRA layout's first step (``compiled=False``: the same step traced eagerly, for tests).
 
         Raises:
-            ValueError: the model is not on the CPU, or its weights are int8 (the compiled blocks
-                multiply dense weights).
+            ValueError: the model is not on the CPU.
         """
-        from precache.models.compiled import DecodeBlocks, check_compile_decode  # they import this module
+        from precache.models.step_graph import DecodeGraph, check_compile  # it imports this module
 
-        check_compile_decode(str(self.device), self.quantization)
-        self.decode_blocks = DecodeBlocks(self)
-        # compile now (a one-token, cache-free forward of the base model), not in the first request's
-        # decode; an adapter's q LoRA compiles one more variant of the first block at its first use
-        token = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.forward(token, token, [Row(0, 1)], DenseAttention([Row(0, 1)]))
+        check_compile(str(self.device))
+        self.decode_graph = DecodeGraph(self, compiled)
 
     def finish_kv(self, layer: int, k_lin, v_lin, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """``(K after k-norm and RoPE, V)`` ``[n, n_kv_heads, head_dim]`` from linear projections."""
@@ -320,24 +316,16 @@ class LlamaModel:
         cos, sin = self.rope.tables(positions)
         narrow = getattr(attention, "narrow", None)  # selective recomputation (contract.Narrowing)
         groups = adapter_groups(rows, x.device)
-        blocks = self.decode_blocks if x.shape[0] == 1 else None  # compile_decode(): one token
-        adapter = next(r.adapter for r in rows if r.end > r.start) if blocks is not None else None
         for i, w in enumerate(self.layers):
-            if blocks is not None and x.shape[0] == 1 and blocks.covers(i, adapter):
-                attn = attention.attend(blocks.attention_input(x, i, adapter, cos, sin))
-                x = blocks.after_attention(x, attn, i)
-            else:
-                attn = attention.attend(self._attention_input(x, i, groups, cos, sin))  # [N, Hq * D]
-                x = x + add_lora(linear(attn, w["o_proj"], w["o_proj_bias"]), attn, groups, i, "o_proj")
-                x = x + self._mlp(x, i, groups)
+            attn = attention.attend(self._attention_input(x, i, groups, cos, sin))  # [N, Hq * D]
+            x = x + add_lora(linear(attn, w["o_proj"], w["o_proj_bias"]), attn, groups, i, "o_proj")
+            x = x + self._mlp(x, i, groups)
             cut = narrow(i) if narrow is not None else None
             if cut is not None:
                 x, cos, sin, rows = x[cut.keep], cos[cut.keep], sin[cut.keep], cut.rows
                 groups = adapter_groups(rows, x.device)
         if logits_at is None:
             logits_at = [row.end - 1 for row in rows]
-        if blocks is not None and x.shape[0] == 1 and list(logits_at) == [0]:
-            return blocks.logits(x)
         last = rms_norm(x[logits_at], self.norm, c.rms_norm_eps)
         return linear(last, self.lm_head).float()
 

@@ -1,0 +1,261 @@
+"""A decode step's row plans as the fixed tensors of the model's captured step
+(:class:`~precache.models.contract.DecodeStepInputs`), and its new entries written into the pool
+after it: the ``prepare`` of the compiled decode path (issue 34).
+
+Every sharing method's decode rows fit one description, so no method has code here: a row writes
+base entries, full (adapted) entries and LR rows at some pool rows (its plan's writes), and reads
+pool rows in position order, some of them with its adapter's LR part (its plan's views). The graph
+reads the pool as it was before the step; the row's own key is the entry it writes, marked
+``is_self``, so the graph takes it from what it just computed. :func:`decode_step_inputs` returns
+None for a batch the graph does not run (a prefill or recompute row, a lone row over two pools,
+LR reads of two adapters in one row, a LoRA bias), which then runs the eager forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from precache.cache.pool import KVPool
+from precache.cache.rowplan import BaseWrite, FullWrite, LRWrite, RowPlan
+from precache.lora.adapter import LoRAAdapter
+from precache.models.contract import DecodeStepInputs, DecodeStepOutputs
+
+#: the projections a LoRA adapter may adapt (the graph's stacks)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: adapters a pool's stacks hold before they are rebuilt from one step's adapters only
+MAX_STACKED = 16
+
+
+@dataclass(frozen=True)
+class StepWrites:
+    """Where a step's new entries go: batch rows ``*_src`` ``[n]`` to pool rows ``*_dst`` ``[n]``.
+    LR writes come in ``lr`` passes of ``(src, dst, mask)``, ``mask`` ``[n, C]`` the LR columns each
+    fills; a pool row that several batch rows fill (ReBaseShared DB: the neutral row and the agent's
+    row write different agents' columns of one position) is written once per pass."""
+
+    base_src: torch.Tensor
+    base_dst: torch.Tensor
+    full_src: torch.Tensor
+    full_dst: torch.Tensor
+    lr: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]
+
+
+class _Stacks:
+    """A pool's LoRA stacks (:class:`DecodeStepInputs` ``stacks``): each adapter's ``A`` and
+    ``s B`` of every projection and layer, zero-padded to the largest rank; index 0 is the base
+    model. Rebuilt when a step brings an adapter it does not hold."""
+
+    def __init__(self, adapters: list[LoRAAdapter], num_layers: int, dtype, device):
+        self.adapters = adapters
+        self.index = {id(a): i + 1 for i, a in enumerate(adapters)}
+        self.rank = max((a.rank for a in adapters), default=0)
+        self.tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for proj in PROJECTIONS:
+            shapes = [(w[0].shape[0], w[1].shape[1]) for a in adapters for (_, p), w in a.weights.items() if p == proj]
+            if not shapes:
+                continue
+            d_in, d_out = shapes[0]
+            A = torch.zeros(len(adapters) + 1, num_layers, d_in, self.rank, dtype=dtype, device=device)
+            Bs = torch.zeros(len(adapters) + 1, num_layers, self.rank, d_out, dtype=dtype, device=device)
+            for j, a in enumerate(adapters, start=1):
+                for layer in range(num_layers):
+                    if a.has(layer, proj):
+                        wa, wb = a.weights[(layer, proj)]
+                        A[j, layer, :, : wa.shape[1]] = wa
+                        Bs[j, layer, : wb.shape[0]] = wb * a.scaling
+            self.tensors[proj] = (A, Bs)
+
+
+def _stacks(pool: KVPool, adapters: list[LoRAAdapter], num_layers: int) -> _Stacks:
+    cache = pool.step_cache
+    held: _Stacks | None = cache.get("stacks")
+    if held is not None and all(id(a) in held.index for a in adapters):
+        return held
+    keep = [] if held is None else [a for a in held.adapters if id(a) not in {id(b) for b in adapters}]
+    chosen = (keep + adapters) if len(keep) + len(adapters) <= MAX_STACKED else adapters
+    cache["stacks"] = _Stacks(chosen, num_layers, pool.dtype, pool.device)
+    return cache["stacks"]
+
+
+def _lr_down(pool: KVPool, writers: dict[int, tuple[slice, slice, LoRAAdapter]], num_layers: int, hidden: int):
+    """``[n_layers, hidden, C]``: each written agent's ``A^k`` / ``A^v`` at its columns, zeros
+    elsewhere; built once per set of writers (kept on the pool)."""
+    key = ("lr_down", tuple(sorted((s, id(a)) for s, (_, _, a) in writers.items())))
+    hit = pool.step_cache.get(key)
+    if hit is None:
+        down = torch.zeros(num_layers, hidden, pool.lr_width, dtype=pool.dtype, device=pool.device)
+        for cols_k, cols_v, adapter in writers.values():
+            for proj, cols in (("k_proj", cols_k), ("v_proj", cols_v)):
+                for layer in range(num_layers):
+                    if cols.stop > cols.start and adapter.has(layer, proj):
+                        down[layer, :, cols] = adapter.weights[(layer, proj)][0]
+        hit = pool.step_cache[key] = (tuple(a for _, _, a in writers.values()), down)
+    return hit[1]
+
+
+def _row_of(store, pos: int) -> int:
+    (_, _, row), = store.runs(pos, pos + 1)
+    return row
+
+
+def decode_step_inputs(model, plans: list[RowPlan], pool: KVPool) -> tuple[DecodeStepInputs, StepWrites] | None:
+    """The captured step's inputs and the step's pool writes for ``plans`` (one token each, in
+    batch order, their written blocks already reserved), or None when the graph does not run them
+    (module docstring)."""
+    c = model.config
+    if not plans or any(len(p.token_ids) != 1 or p.recompute is not None for p in plans):
+        return None
+    adapters: dict[int, LoRAAdapter] = {}
+    rows = []
+    writers: dict[int, tuple[slice, slice, LoRAAdapter]] = {}
+    base_w, full_w, lr_w = [], [], []
+    for b, plan in enumerate(plans):
+        pos = plan.pos0
+        for a in [plan.adapter] + [v.adapter for v in plan.views] + [w.adapter for w in plan.writes if isinstance(w, LRWrite)]:
+            if a is not None:
+                if a.biases:
+                    return None
+                adapters[id(a)] = a
+        base = full = None
+        lr_here: dict[int, list[slice]] = {}
+        for w in plan.writes:
+            if w.paged.pool is not pool or plan.write_start(w) > pos:
+                if w.paged.pool is not pool:
+                    return None
+                continue
+            row = _row_of(w.paged, pos)
+            if isinstance(w, BaseWrite):
+                base_w.append((b, row))
+                base = row
+            elif isinstance(w, FullWrite):
+                full_w.append((b, row))
+                full = row
+            else:
+                ck, cv = w.store.cols_k, w.store.cols_v
+                if writers.setdefault(ck.start, (ck, cv, w.adapter))[2] is not w.adapter:
+                    return None  # two adapters for one column range
+                lr_here.setdefault(row, []).extend([ck, cv])
+        for row, cols in lr_here.items():
+            lr_w.append((b, row, cols))
+        # reads: pool rows in position order, the LR part where a view carries one
+        slots, positions, lr_flags = [], [], []
+        lr_read = None
+        for view in plan.views:
+            if view.end <= view.start:
+                continue
+            if view.store.pool is not pool:
+                return None
+            with_lr = view.lr is not None and view.adapter is not None
+            if with_lr:
+                key = (id(view.adapter), view.lr.cols_k.start, view.lr.cols_v.start)
+                if lr_read is not None and lr_read[0] != key:
+                    return None
+                lr_read = (key, view.adapter, view.lr)
+            for s, e, r in view.store.runs(view.start, view.end):
+                slots.append(torch.arange(r, r + e - s))
+                positions.append(torch.arange(s, e))
+                lr_flags.append(torch.full((e - s,), with_lr))
+        if not slots:
+            return None
+        slot_t, pos_t, lr_t = torch.cat(slots), torch.cat(positions), torch.cat(lr_flags)
+        where = (pos_t == pos).nonzero()
+        if where.numel() != 1:
+            return None  # the row does not see its own token exactly once
+        col = int(where[0, 0])
+        own = int(slot_t[col])
+        if own not in (base, full):
+            return None
+        if bool(lr_t[col]):
+            written = lr_here.get(own, [])
+            read_cols = (lr_read[2].cols_k, lr_read[2].cols_v)
+            if any(not any(rc == wc for wc in written) for rc in read_cols if rc.stop > rc.start):
+                return None
+        rows.append((plan, slot_t, pos_t, lr_t, col, own == full and own != base, lr_read))
+    stacks = _stacks(pool, list(adapters.values()), c.num_layers)
+    return _tensors(model, pool, rows, stacks, writers, base_w, full_w, lr_w)
+
+
+def _tensors(model, pool, rows, stacks: _Stacks, writers, base_w, full_w, lr_w):
+    B = len(rows)
+    L = max(r[1].shape[0] for r in rows)
+    R = stacks.rank
+    reads_lr = any(r[6] is not None for r in rows)
+    slots = torch.empty(B, L, dtype=torch.long)
+    key_pos = torch.zeros(B, L, dtype=torch.long)
+    valid = torch.zeros(B, L, dtype=torch.bool)
+    is_self = torch.zeros(B, L, dtype=torch.bool)
+    lr_on = torch.zeros(B, L, dtype=torch.bool)
+    lr_cols = torch.zeros(B, 2 * R if reads_lr else 0, dtype=torch.long)
+    lr_adapter = torch.zeros(B, dtype=torch.long)
+    adapter = torch.zeros(B, dtype=torch.long)
+    self_full = torch.zeros(B, dtype=torch.bool)
+    for b, (plan, slot_t, pos_t, lr_t, col, own_full, lr_read) in enumerate(rows):
+        n = slot_t.shape[0]
+        slots[b, :n], slots[b, n:] = slot_t, slot_t[0]  # padding reads a written row: finite values
+        key_pos[b, :n], valid[b, :n], lr_on[b, :n] = pos_t, True, lr_t
+        is_self[b, col] = True
+        self_full[b] = own_full
+        adapter[b] = stacks.index[id(plan.adapter)] if plan.adapter is not None else 0
+        if lr_read is not None:
+            _, a, view = lr_read
+            lr_adapter[b] = stacks.index[id(a)]
+            ck, cv = view.cols_k, view.cols_v
+            lr_cols[b, : ck.stop - ck.start] = torch.arange(ck.start, ck.stop)
+            lr_cols[b, R : R + cv.stop - cv.start] = torch.arange(cv.start, cv.stop)
+    lr_down = _lr_down(pool, writers, model.config.num_layers, model.config.hidden_size) if writers else None
+    if reads_lr and lr_down is None:  # the graph overlays the own key's LR part from the new rows
+        lr_down = torch.zeros(model.config.num_layers, model.config.hidden_size, pool.lr_width, dtype=pool.dtype)
+    device = pool.device
+
+    def pairs(ws):
+        src = torch.tensor([w[0] for w in ws], dtype=torch.long, device=device)
+        return src, torch.tensor([w[1] for w in ws], dtype=torch.long, device=device)
+
+    passes: list[list] = []
+    for write in lr_w:  # each pool row at most once per pass
+        free = next((p for p in passes if all(w[1] != write[1] for w in p)), None)
+        if free is None:
+            passes.append(free := [])
+        free.append(write)
+    lr_passes = []
+    for ws in passes:
+        mask = torch.zeros(len(ws), pool.lr_width, dtype=torch.bool)
+        for j, (_, _, cols) in enumerate(ws):
+            for s in cols:
+                mask[j, s] = True
+        lr_passes.append((*pairs(ws), mask.to(device)))
+
+    ids = torch.tensor([p.token_ids[0] for p, *_ in rows], dtype=torch.long)
+    positions = torch.tensor([p.pos0 for p, *_ in rows], dtype=torch.long)
+    inputs = DecodeStepInputs(
+        ids.to(device),
+        positions.to(device),
+        adapter.to(device),
+        self_full.to(device),
+        slots.to(device),
+        key_pos.to(device),
+        valid.to(device),
+        is_self.to(device),
+        lr_on.to(device),
+        lr_cols.to(device),
+        lr_adapter.to(device),
+        stacks.tensors,
+        lr_down,
+    )
+    writes = StepWrites(*pairs(base_w), *pairs(full_w), tuple(lr_passes))
+    return inputs, writes
+
+
+def write_step(pool: KVPool, out: DecodeStepOutputs, writes: StepWrites) -> None:
+    """Write a step's new entries into the pool: one indexed copy per pool tensor and kind of entry
+    over every layer (the graph itself reads the pool only)."""
+    if writes.base_dst.numel():
+        pool.k[:, writes.base_dst] = out.k_base[:, writes.base_src]
+        pool.v[:, writes.base_dst] = out.v_base[:, writes.base_src]
+    if writes.full_dst.numel():
+        pool.k[:, writes.full_dst] = out.k_full[:, writes.full_src]
+        pool.v[:, writes.full_dst] = out.v_full[:, writes.full_src]
+    for src, dst, mask in writes.lr:
+        pool.lr[:, dst] = torch.where(mask, out.lr[:, src], pool.lr[:, dst])

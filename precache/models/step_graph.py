@@ -1,0 +1,244 @@
+"""A decode step captured whole: one ``torch.compile`` graph from the embedding to the logits, on a
+CPU (issue 34; the CPU counterpart of vLLM's and nano-vllm's CUDA graphs).
+
+A decode step of ``B`` one-token rows runs 30 layers of small products, attention over each row's
+view of the block pool and the LR terms; run eagerly, each of its thousands of operators pays
+torch's per-operator cost, and the products stream their weights at a third of the machine's
+bandwidth (benchmarks/RESULTS.md). :class:`DecodeGraph` traces the whole step once per model and
+LoRA layout, with the batch size and the key count as dynamic dimensions, and inductor compiles it
+with the weights frozen into the graph (``freezing``: prepacked, constant) and a C++ wrapper
+(``cpp_wrapper``: no Python between kernels).
+
+What the graph computes, for every row ``b`` and layer ``l`` (the eager forward's maths,
+:class:`~precache.models.llama.LlamaModel`, and :mod:`precache.cache.attention.segments`'):
+
+- ``h = RMSNorm(x)``, ``q, k, v = h W_qkv (+ b)``, each projection plus the row's LoRA delta
+  ``s (h A) B`` taken from stacked adapters by the row's index (punica's BGMV as two batched
+  products; index 0 is the base model);
+- the row's new entries: base ``RoPE(k)``, ``v`` and full ``RoPE(k + s h A^k B^k)``,
+  ``v + s h A^v B^v``, and the LR rows ``h A_a`` of every agent's columns;
+- keys ``K = Kb[slots] + lr_on RoPE(s Lk B^k)`` at each key's position, the row's own key taken
+  from what the step just computed (the pool is written after the graph, so no input is mutated
+  inside it), scores over the valid keys (and the layer's sliding window), ``P Vb + s (P Lv) B^v``;
+- o product, MLP (each with the row's LoRA), residuals, the final RMSNorm and the LM head.
+
+The pool is read, never written, inside the graph: writing it in place made inductor copy the whole
+pool every step (a 4-layer probe: 22 ms against 5.4 ms without). The cache writes the returned
+entries into the pool right after the step (:mod:`precache.cache.step_inputs`), one indexed copy
+per pool tensor for all layers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from precache.models.contract import DecodeStepInputs, DecodeStepOutputs
+from precache.models.quant import Int8Weight
+
+logger = logging.getLogger(__name__)
+
+#: the projections a LoRA adapter may adapt, in the order the graph applies them
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def check_compile(device, quantization: str | None = None) -> None:
+    """Refuse a compiled decode step where it does not run, naming why.
+
+    Raises:
+        ValueError: ``device`` is not the CPU (CUDA runs the triton backend eager).
+    """
+    if torch.device(device or "cpu").type != "cpu":
+        raise ValueError(f"compile (the compiled decode step) runs on the CPU only, not on {device}")
+
+
+def inductor_cache_dir() -> Path:
+    """Where inductor keeps compiled graphs: ``$TORCHINDUCTOR_CACHE_DIR`` when set, else
+    ``$PRECACHE_HOME/inductor`` (default ``~/.cache/precache/inductor``), so a second start
+    reuses the first one's kernels."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    home = Path(os.environ.get("PRECACHE_HOME", Path.home() / ".cache" / "precache"))
+    path = home / "inductor"
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    return path
+
+
+class _Weights(torch.nn.Module):
+    """The model's weights as module buffers (the same storage, no copy), so that inductor's
+    ``freezing`` treats them as constants. Int8 weights keep their int8 matrix and scales."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.names: dict[tuple[int, str], str] = {}
+        self._add("embed", model.embed)
+        self._add("norm", model.norm)
+        self._add_weight("lm_head", model.lm_head)
+        for i, w in enumerate(model.layers):
+            for key, t in w.items():
+                if t is not None:
+                    self._add_weight(f"l{i}_{key}", t)
+
+    def _add(self, name: str, t: torch.Tensor) -> None:
+        self.register_buffer(name, t, persistent=False)
+
+    def _add_weight(self, name: str, t) -> None:
+        if isinstance(t, Int8Weight):
+            self._add(name + "_q", t.qweight)
+            self._add(name + "_s", t.scales)
+        else:
+            self._add(name, t)
+
+    def linear(self, x: torch.Tensor, name: str, bias: str | None = None) -> torch.Tensor:
+        """``x W^T (+ b)`` of the weight ``name``, dense or int8 weight-only."""
+        if hasattr(self, name + "_q"):
+            q, s = getattr(self, name + "_q"), getattr(self, name + "_s")
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), q, s).to(x.dtype)
+        else:
+            y = F.linear(x, getattr(self, name))
+        if bias is not None and hasattr(self, bias):
+            y = y + getattr(self, bias)
+        return y
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE (RoFormer eq. 34) of ``x`` ``[..., heads, D]`` by tables ``[..., D]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
+
+
+def _lora(x: torch.Tensor, stack, layer: int, index: torch.Tensor) -> torch.Tensor | None:
+    """Each row's ``s (x A) B`` ``[B, d_out]`` from the stacks by the rows' adapter ``index``."""
+    if stack is None:
+        return None
+    a, b = stack
+    return torch.bmm(torch.bmm(x.unsqueeze(1), a[index, layer]), b[index, layer]).squeeze(1)
+
+
+def _plus(y: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    return y if delta is None else y + delta
+
+
+class _Step(torch.nn.Module):
+    """The step's maths over :class:`_Weights` (module docstring); traced by :class:`DecodeGraph`."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.w = _Weights(model)
+        c = model.config
+        self.config, self.act = c, model.act
+        self.register_buffer("cos", model.rope.cos, persistent=False)
+        self.register_buffer("sin", model.rope.sin, persistent=False)
+        self.windows = tuple(c.layer_windows)
+
+    def forward(self, inp: DecodeStepInputs, pool_k, pool_v, pool_lr) -> DecodeStepOutputs:
+        c, w, eps = self.config, self.w, self.config.rms_norm_eps
+        B, L = inp.slots.shape
+        Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+        G, I = Hq // Hkv, c.intermediate_size
+        stacks, idx = inp.stacks, inp.adapter
+        x = w.embed[inp.token_ids]  # [B, hidden]
+        cos, sin = self.cos[inp.positions], self.sin[inp.positions]  # [B, D]
+        key_cos, key_sin = self.cos[inp.key_positions], self.sin[inp.key_positions]  # [B, L, D]
+        is_self = inp.is_self[:, :, None, None]
+        self_full = inp.self_full[:, None, None]
+        lr_on = inp.lr_on[:, :, None]  # [B, L, 1] bool
+        reads_lr = inp.lr_cols.shape[1] > 0
+        rank_k = inp.lr_cols.shape[1] // 2
+        scale = 1.0 / math.sqrt(D)
+        out_kb, out_vb, out_kf, out_vf, out_lr = [], [], [], [], []
+        for i in range(c.num_layers):
+            p = f"l{i}_"
+            h = _rms(x, getattr(w, p + "input_norm"), eps)
+            q, k, v = w.linear(h, p + "qkv", p + "qkv_bias").split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            q = _plus(q, _lora(h, stacks.get("q_proj"), i, idx)).view(B, Hq, D)
+            k_full = _plus(k, _lora(h, stacks.get("k_proj"), i, idx)).view(B, Hkv, D)
+            v_full = _plus(v, _lora(h, stacks.get("v_proj"), i, idx)).view(B, Hkv, D)
+            k, v = k.view(B, Hkv, D), v.view(B, Hkv, D)
+            if hasattr(w, p + "q_norm"):
+                q = _rms(q, getattr(w, p + "q_norm"), eps)
+            if hasattr(w, p + "k_norm"):
+                k, k_full = _rms(k, getattr(w, p + "k_norm"), eps), _rms(k_full, getattr(w, p + "k_norm"), eps)
+            q, k, k_full = _rope(q, cos, sin), _rope(k, cos, sin), _rope(k_full, cos, sin)
+            out_kb.append(k), out_vb.append(v), out_kf.append(k_full), out_vf.append(v_full)
+            # the row's view: pool rows, its own new entry in place of the unwritten slot
+            keys = torch.where(is_self, torch.where(self_full, k_full, k).unsqueeze(1), pool_k[i][inp.slots])
+            values = torch.where(is_self, torch.where(self_full, v_full, v).unsqueeze(1), pool_v[i][inp.slots])
+            lv = None
+            if inp.lr_down is not None:
+                new_lr = h @ inp.lr_down[i]  # [B, C]
+                out_lr.append(new_lr)
+            if reads_lr:
+                lr = torch.where(inp.is_self[:, :, None], new_lr[:, None, :], pool_lr[i][inp.slots])
+                lr = torch.gather(lr, 2, inp.lr_cols[:, None, :].expand(B, L, -1))  # [B, L, rk + rv]
+                lr = torch.where(lr_on, lr, 0.0)  # rows of other stores hold no LR rows (never written)
+                lk, lv = lr[..., :rank_k], lr[..., rank_k:]
+                if "k_proj" in stacks:
+                    delta = torch.bmm(lk, stacks["k_proj"][1][inp.lr_adapter, i]).view(B, L, Hkv, D)
+                    keys = keys + _rope(delta, key_cos, key_sin)
+            qh = (q * scale).view(B, Hkv, G, D)
+            scores = torch.matmul(qh, keys.permute(0, 2, 3, 1))  # [B, Hkv, G, L]
+            visible = inp.key_valid
+            if self.windows[i] is not None:
+                visible = visible & (inp.key_positions > inp.positions[:, None] - self.windows[i])
+            scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            attn = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [B, Hkv, G, D]: P Vb
+            if lv is not None and "v_proj" in stacks:
+                plv = torch.matmul(probs.reshape(B, Hq, L), lv)  # [B, Hq, rv]: P Lv
+                bv = stacks["v_proj"][1][inp.lr_adapter, i].view(B, -1, Hkv, D).permute(0, 2, 1, 3)
+                attn = attn + torch.matmul(plv.view(B, Hkv, G, -1), bv)  # + s (P Lv) B^v
+            attn = attn.reshape(B, Hq * D)
+            x = x + _plus(w.linear(attn, p + "o_proj", p + "o_proj_bias"), _lora(attn, stacks.get("o_proj"), i, idx))
+            h = _rms(x, getattr(w, p + "post_norm"), eps)
+            gate, up = w.linear(h, p + "gate_up", p + "gate_up_bias").split([I, I], dim=-1)
+            gate = _plus(gate, _lora(h, stacks.get("gate_proj"), i, idx))
+            up = _plus(up, _lora(h, stacks.get("up_proj"), i, idx))
+            gated = self.act(gate) * up
+            x = x + _plus(w.linear(gated, p + "down_proj", p + "down_proj_bias"), _lora(gated, stacks.get("down_proj"), i, idx))
+        logits = w.linear(_rms(x, w.norm, eps), "lm_head").float()
+        lr_out = torch.stack(out_lr) if out_lr else None
+        return DecodeStepOutputs(
+            logits, torch.stack(out_kb), torch.stack(out_vb), torch.stack(out_kf), torch.stack(out_vf), lr_out
+        )
+
+
+class DecodeGraph:
+    """The model's decode step as one compiled graph (module docstring).
+
+    ``model``: a :class:`~precache.models.llama.LlamaModel` on the CPU (fp32, bf16 or int8
+    weights). :meth:`__call__` runs a step; the first call of a new LoRA layout (which projections
+    the loaded adapters adapt, their largest rank, whether the step reads LR caches) traces and
+    compiles once; batch size and key count are dynamic, so a growing context or a changing batch
+    never recompiles. ``compiled=False`` runs the same module eager (the tests' mid-point between the
+    eager forward and the graph).
+    """
+
+    def __init__(self, model, compiled: bool = True):
+        self.module = _Step(model).eval()
+        self.compiled = compiled
+        if compiled:
+            inductor_cache_dir()
+            self._fn = torch.compile(
+                self.module, dynamic=True, options={"freezing": True, "cpp_wrapper": True}
+            )
+        else:
+            self._fn = self.module
+
+    @torch.inference_mode()
+    def __call__(self, inputs: DecodeStepInputs, pool_k, pool_v, pool_lr) -> DecodeStepOutputs:
+        """Run one step; ``pool_k``/``pool_v`` ``[n_layers, rows, n_kv_heads, head_dim]`` and
+        ``pool_lr`` ``[n_layers, rows, C]`` are read only."""
+        return self._fn(inputs, pool_k, pool_v, pool_lr)
