@@ -49,8 +49,8 @@ QUANTIZATIONS = ("int8",)
 
 def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
     """``--dtype float32 | bfloat16`` (default: ``precache.load_model``'s, bfloat16 on CUDA and
-    float32 on a CPU), ``--quantization int8`` (int8 weight-only on a CPU) and ``--compile-decode``
-    (compiled one-token forwards on a CPU); README, "Precision on CPU"."""
+    float32 on a CPU), ``--quantization int8`` (int8 weight-only on a CPU) and ``--eager`` (no
+    compiled decode step); README, "Precision on CPU" and "Compiled decode"."""
     parser.add_argument(
         "--dtype",
         choices=DTYPES,
@@ -64,20 +64,20 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
         help="int8: the projections and LM head as int8 weight-only, on a CPU (compute and KV caches stay at --dtype)",
     )
     parser.add_argument(
-        "--compile-decode",
+        "--eager",
         action="store_true",
-        help="run one-token forwards (single-stream decode) through compiled per-layer blocks, on a "
-        "CPU with dense weights (compiled at load: seconds)",
+        help="run decode steps eagerly instead of as one compiled graph per step (the default on a "
+        "CPU; compiled at the first step, cached under $PRECACHE_HOME/inductor)",
     )
 
 
 def model_options(args: argparse.Namespace) -> dict:
-    """``load_model``'s ``dtype``, ``quantization`` and ``compile_decode`` from ``--dtype``,
-    ``--quantization`` and ``--compile-decode``."""
+    """``load_model``'s ``dtype``, ``quantization`` and ``compile`` from ``--dtype``,
+    ``--quantization`` and ``--eager`` (``compile`` None: ``load_model``'s default)."""
     return {
         "dtype": dtype_of(args),
         "quantization": getattr(args, "quantization", None),
-        "compile_decode": getattr(args, "compile_decode", False),
+        "compile": False if getattr(args, "eager", False) else None,
     }
 
 

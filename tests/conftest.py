@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# models load eager unless a test asks for the compiled decode step (tests/test_step_graph.py):
+# the eager forward is the oracle, and a compile per tiny model would cost the suite minutes
+os.environ.setdefault("PRECACHE_EAGER", "1")
 
 import torch  # noqa: E402
 

@@ -81,7 +81,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
     }
     # each side's precision, named: the HF + PEFT baseline always runs fp32 weights (hf_model_of)
     ours_precision = "int8 weights" if model.quantization else str(model.dtype).removeprefix("torch.")
-    if model.decode_blocks is not None:  # --compile-decode
+    if model.decode_graph is not None:  # the default on a CPU; --eager: none
         ours_precision += ", compiled decode"
     result["precision"] = {"engine": ours_precision, "hf_peft": "float32"}
     text = (

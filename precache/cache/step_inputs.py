@@ -179,7 +179,7 @@ def decode_step_inputs(model, plans: list[RowPlan], pool: KVPool) -> tuple[Decod
 
 def _tensors(model, pool, rows, stacks: _Stacks, writers, base_w, full_w, lr_w):
     B = len(rows)
-    L = max(r[1].shape[0] for r in rows)
+    L = max(2, *(r[1].shape[0] for r in rows))  # a dynamic dimension is never 1
     R = stacks.rank
     reads_lr = any(r[6] is not None for r in rows)
     slots = torch.empty(B, L, dtype=torch.long)

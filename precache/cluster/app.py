@@ -110,7 +110,7 @@ class EngineSpec:
     dtype: str | None = None  # a torch dtype name; None: the loader's default
     device: str | None = None
     quantization: str | None = None  # "int8": int8 weight-only (precache.models.quant)
-    compile_decode: bool = False  # compiled one-token forwards (precache.models.compiled)
+    compile: bool | None = None  # the compiled decode step (precache.models.step_graph); None: on a CPU
 
     def __call__(self):
         dtype = getattr(torch, self.dtype) if self.dtype else None
@@ -119,7 +119,7 @@ class EngineSpec:
             dtype=dtype,
             device=self.device,
             quantization=self.quantization,
-            compile_decode=self.compile_decode,
+            compile=self.compile,
         )
         return precache.Engine(
             model, adapters=self.adapters, method=self.method, kv_cache_bytes=self.kv_cache_bytes
@@ -325,7 +325,7 @@ def serve_from_args(args) -> int:
         args.dtype,
         device,
         args.quantization,
-        args.compile_decode,
+        False if args.eager else None,
     )
     cluster = ClusterConfig(
         replicas=args.replicas or 1,

@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from precache.compute import on_compute
 from precache.errors import ModelLoadError
-from precache.models.compiled import check_compile_decode
+from precache.models.step_graph import check_compile
 from precache.models.config import MODEL_REGISTRY, ModelConfig
 from precache.models.contract import AttentionBackend, LayerInput, Row
 from precache.models.llama import DenseAttention, LlamaModel, dense_logits
@@ -27,7 +27,7 @@ def load_model(
     max_context: int | None = None,
     require_tokenizer: bool = True,
     quantization: str | None = None,
-    compile_decode: bool = False,
+    compile: bool | None = None,
 ) -> LlamaModel:
     """Load a Llama-family model with its tokenizer, chat template and generation config.
 
@@ -41,23 +41,26 @@ def load_model(
     (its ``eos_token_id`` s end turns, as in HF ``generate``). A folder without tokenizer files is
     refused unless ``require_tokenizer=False`` (the model then takes token ids only).
     ``quantization="int8"`` holds the projections and the LM head as int8 weight-only on a CPU
-    (:mod:`precache.models.quant`; compute and KV caches stay at ``dtype``). ``compile_decode=True``
-    runs one-token forwards (single-stream decode) through compiled per-layer blocks on a CPU
-    (:mod:`precache.models.compiled`; compiled at load, seconds).
+    (:mod:`precache.models.quant`; compute and KV caches stay at ``dtype``). ``compile``
+    (default: on when ``device`` is the CPU) runs every decode step as one captured graph
+    (:mod:`precache.models.step_graph`), compiled by inductor at its first step and cached on disk
+    under ``$PRECACHE_HOME/inductor``; ``compile=False`` keeps the eager forward.
 
     Raises:
         ModelLoadError: the path is missing, malformed, not a Llama-family architecture, has a
             config field we do not implement, or has no (readable) tokenizer; ``quantization`` is
-            not one precache runs on ``device``; ``compile_decode`` off the CPU or with int8 weights.
+            not one precache runs on ``device``; ``compile=True`` off the CPU.
     """
     try:
         check_quantization(quantization, device)
-        if compile_decode:
-            check_compile_decode(device, quantization)
+        if compile:
+            check_compile(device)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
     if dtype is None:
         dtype = torch.bfloat16 if torch.device(device or "cpu").type == "cuda" else torch.float32
+    if compile is None:
+        compile = torch.device(device or "cpu").type == "cpu" and os.environ.get("PRECACHE_EAGER") != "1"
     folder = resolve_checkpoint(path)
     try:
         hf_config = AutoConfig.from_pretrained(folder)
@@ -74,8 +77,8 @@ def load_model(
         del hf_model  # its dense weights: the int8 ones replace them
         if quantization is not None:
             model.quantize(quantization)
-        if compile_decode:
-            model.compile_decode()
+        if compile:
+            model.compile()
         return model
 
     return on_compute(build)  # on the thread that will run its forwards (precache.compute)

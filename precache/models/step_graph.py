@@ -5,9 +5,10 @@ A decode step of ``B`` one-token rows runs 30 layers of small products, attentio
 view of the block pool and the LR terms; run eagerly, each of its thousands of operators pays
 torch's per-operator cost, and the products stream their weights at a third of the machine's
 bandwidth (benchmarks/RESULTS.md). :class:`DecodeGraph` traces the whole step once per model and
-LoRA layout, with the batch size and the key count as dynamic dimensions, and inductor compiles it
-with the weights frozen into the graph (``freezing``: prepacked, constant) and a C++ wrapper
-(``cpp_wrapper``: no Python between kernels).
+LoRA layout, once for one row and once for any larger batch (the batch size and the key count
+as dynamic dimensions: a growing context or a changing batch never recompiles), and inductor
+compiles it with a C++ wrapper (``cpp_wrapper``: no Python between kernels); compiled
+graphs are cached on disk (:func:`inductor_cache_dir`), so only the first start pays the compile.
 
 What the graph computes, for every row ``b`` and layer ``l`` (the eager forward's maths,
 :class:`~precache.models.llama.LlamaModel`, and :mod:`precache.cache.attention.segments`'):
@@ -36,12 +37,19 @@ import os
 from pathlib import Path
 
 import torch
+import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
 from precache.models.contract import DecodeStepInputs, DecodeStepOutputs
 from precache.models.quant import Int8Weight
 
 logger = logging.getLogger(__name__)
+
+#: inductor's options for the step: the kernels called from generated C++ rather than Python
+#: (``cpp_wrapper``). Not ``freezing``: it folds the weights into the graph as prepacked constants,
+#: which inductor then never caches on disk (every start compiled for 77 s); SmolLM2 decodes as
+#: fast without it (26-28 ms a step either way on a 2-core AVX512 machine, benchmarks/RESULTS.md)
+INDUCTOR_OPTIONS = {"cpp_wrapper": True}
 
 #: the projections a LoRA adapter may adapt, in the order the graph applies them
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -61,8 +69,11 @@ def inductor_cache_dir() -> Path:
     """Where inductor keeps compiled graphs: ``$TORCHINDUCTOR_CACHE_DIR`` when set, else
     ``$PRECACHE_HOME/inductor`` (default ``~/.cache/precache/inductor``), so a second start
     reuses the first one's kernels."""
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen and chosen != default_cache_dir():  # torch writes its default there on first use
+        return Path(chosen)
     home = Path(os.environ.get("PRECACHE_HOME", Path.home() / ".cache" / "precache"))
     path = home / "inductor"
     path.mkdir(parents=True, exist_ok=True)
@@ -71,8 +82,8 @@ def inductor_cache_dir() -> Path:
 
 
 class _Weights(torch.nn.Module):
-    """The model's weights as module buffers (the same storage, no copy), so that inductor's
-    ``freezing`` treats them as constants. Int8 weights keep their int8 matrix and scales."""
+    """The model's weights as module parameters and buffers (the same storage, no copy), which
+    dynamo lifts as inputs of the graph. Int8 weights keep their int8 matrix and scales."""
 
     def __init__(self, model):
         super().__init__()
@@ -86,7 +97,10 @@ class _Weights(torch.nn.Module):
                     self._add_weight(f"l{i}_{key}", t)
 
     def _add(self, name: str, t: torch.Tensor) -> None:
-        self.register_buffer(name, t, persistent=False)
+        if t.is_floating_point():
+            self.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+        else:
+            self.register_buffer(name, t, persistent=False)
 
     def _add_weight(self, name: str, t) -> None:
         if isinstance(t, Int8Weight):
@@ -221,8 +235,7 @@ class DecodeGraph:
     ``model``: a :class:`~precache.models.llama.LlamaModel` on the CPU (fp32, bf16 or int8
     weights). :meth:`__call__` runs a step; the first call of a new LoRA layout (which projections
     the loaded adapters adapt, their largest rank, whether the step reads LR caches) traces and
-    compiles once; batch size and key count are dynamic, so a growing context or a changing batch
-    never recompiles. ``compiled=False`` runs the same module eager (the tests' mid-point between the
+    compiles once for one row and once for any larger batch; the key count is dynamic. ``compiled=False`` runs the same module eager (the tests' mid-point between the
     eager forward and the graph).
     """
 
@@ -231,14 +244,24 @@ class DecodeGraph:
         self.compiled = compiled
         if compiled:
             inductor_cache_dir()
-            self._fn = torch.compile(
-                self.module, dynamic=True, options={"freezing": True, "cpp_wrapper": True}
-            )
+            self._fn = torch.compile(self.module, dynamic=False)
         else:
             self._fn = self.module
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def __call__(self, inputs: DecodeStepInputs, pool_k, pool_v, pool_lr) -> DecodeStepOutputs:
         """Run one step; ``pool_k``/``pool_v`` ``[n_layers, rows, n_kv_heads, head_dim]`` and
         ``pool_lr`` ``[n_layers, rows, C]`` are read only."""
-        return self._fn(inputs, pool_k, pool_v, pool_lr)
+        if not self.compiled:
+            return self._fn(inputs, pool_k, pool_v, pool_lr)
+        per_key = (inputs.slots, inputs.key_positions, inputs.key_valid, inputs.is_self, inputs.lr_on)
+        for t in per_key:
+            torch._dynamo.mark_dynamic(t, 1)  # the key count varies every step: one graph for all
+        if inputs.slots.shape[0] > 1:  # one graph for every batch of 2 rows or more
+            per_row = (inputs.token_ids, inputs.positions, inputs.adapter, inputs.self_full, inputs.lr_cols)
+            for t in (*per_row, inputs.lr_adapter, *per_key):
+                torch._dynamo.mark_dynamic(t, 0)
+        # inductor's config is per thread and the step runs on the compute thread (precache.compute):
+        # torch.compile's own options were not applied there
+        with inductor_config.patch(INDUCTOR_OPTIONS):
+            return self._fn(inputs, pool_k, pool_v, pool_lr)

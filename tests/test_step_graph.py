@@ -1,0 +1,219 @@
+"""The captured decode step (:mod:`precache.models.step_graph`, :mod:`precache.cache.step_inputs`)
+against the eager forward, its oracle: at every step the graph runs, the eager forward on the same
+pool gives the same logits (fp32: within 1e-4 of the logit scale) and writes the same entries, and
+a whole trajectory gives the same greedy tokens, for every sharing method, batched with mixed
+adapters, across preemption, ``n`` choices and adapters loaded at run time."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+import precache.cache.plan as plan_module
+from precache.errors import ModelLoadError
+from precache.methods import METHODS
+from precache.models.step_graph import DecodeGraph
+from tests.tiny import AGENTS, make_engine, run_script, save_random_adapter, tiny_hf_model, tiny_model
+
+#: logits of a captured step against the eager forward's, relative to the largest logit
+FP32_LOGITS = 1e-4
+#: the same for bf16 weights, compute and caches (both sides round differently at every op)
+BF16_LOGITS = 5e-2
+#: int8 weight-only: both sides run aten._weight_int8pack_mm on the same int8 weights
+INT8_LOGITS = 5e-2
+
+
+class Oracle:
+    """Wraps the engine's captured step: before each captured step the pool is copied; after it
+    the eager forward runs the same rows on the copy, and the logits and the pool are compared."""
+
+    def __init__(self, monkeypatch):
+        self.steps, self.logits_err, self.pool_err, self.batch_sizes = 0, 0.0, 0.0, set()
+        captured = plan_module._captured_step
+
+        def checked(model, batch):
+            pool = next((w.paged.pool for p in batch for w in p.writes), None)
+            before = [t.clone() for t in (pool.k, pool.v, pool.lr)] if pool is not None else None
+            got = captured(model, batch)
+            if got is None:
+                return None
+            after = [t.clone() for t in (pool.k, pool.v, pool.lr)]
+            for t, b in zip((pool.k, pool.v, pool.lr), before, strict=True):
+                t.copy_(b)
+            ref = plan_module._eager_forward(model, batch, [p.row for p in batch], list(range(len(batch))), None)
+            got_rows = got[: len(batch)].float()
+            scale = ref.float().abs().max().item()
+            self.logits_err = max(self.logits_err, (got_rows - ref.float()).abs().max().item() / scale)
+            for a, t in zip(after, (pool.k, pool.v, pool.lr), strict=True):
+                if a.numel():
+                    self.pool_err = max(self.pool_err, (a.float() - t.float()).abs().max().item())
+                t.copy_(a)
+            self.steps += 1
+            self.batch_sizes.add(len(batch))
+            return got
+
+        monkeypatch.setattr(plan_module, "_captured_step", checked)
+
+
+@pytest.fixture(scope="module")
+def graph_model(tiny):
+    """The ``tiny`` fixture's weights (same seed) in a second model that runs the compiled step."""
+    model, _ = tiny_model("llama", seed=0, num_layers=3)
+    model.compile()
+    return model
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_decodes_through_the_graph_as_the_eager_forward(tiny, graph_model, monkeypatch, method):
+    eager, dirs, _ = tiny
+    oracle = Oracle(monkeypatch)
+    _, turns = run_script(make_engine(graph_model, dirs, method))
+    monkeypatch.undo()
+    _, ref_turns = run_script(make_engine(eager, dirs, method))
+    assert oracle.steps >= 10  # every decode step of the script ran captured
+    assert oracle.logits_err <= FP32_LOGITS
+    assert oracle.pool_err <= 1e-4
+    assert [t.token_ids for t in turns] == [t.token_ids for t in ref_turns]
+
+
+def _batched(engine, prompts, lengths):
+    requests = []
+    for i, (prompt, length) in enumerate(zip(prompts, lengths, strict=True)):
+        s = engine.session()
+        s.append(prompt)
+        params = {"max_new_tokens": length, "temperature": 0.0, "ignore_eos": True}
+        requests.append(s.submit(AGENTS[i % 3], **params))
+    engine.wait_all(requests)
+    return [r.outcome().token_ids for r in requests]
+
+
+@pytest.mark.parametrize("method", ["prelrshared", "nonshared", "rebaseshared-db", "rebaseownshared-lp"])
+def test_batched_mixed_adapters_changing_buckets_and_preemption(tiny, graph_model, monkeypatch, method):
+    """Five trajectories of different lengths, three adapters, stopping at different steps (the
+    batch size changes), in a pool that forces swaps mid-decode (tests/test_preemption.py's)."""
+    eager, dirs, _ = tiny
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 90, (30 + 7 * i,), generator=gen).tolist() for i in range(5)]
+    lengths = [24] * 5  # the preemption swaps one out: it finishes after the others
+    block = make_engine(eager, dirs, method).pool.block_bytes
+    options = {"prefix_caching": False, "kv_cache_bytes": 14 * block}
+    oracle = Oracle(monkeypatch)
+    graph_engine = make_engine(graph_model, dirs, method, **options)
+    got = _batched(graph_engine, prompts, lengths)
+    monkeypatch.undo()
+    ref = _batched(make_engine(eager, dirs, method, **options), prompts, lengths)
+    assert got == ref
+    assert graph_engine.scheduler.preemptions > 0
+    assert len(oracle.batch_sizes) >= 2 and max(oracle.batch_sizes) >= 2
+    assert oracle.logits_err <= FP32_LOGITS and oracle.pool_err <= 1e-4
+
+
+def test_n_choices_fork_and_decode_through_the_graph(tiny, graph_model, monkeypatch):
+    eager, dirs, _ = tiny
+    prompt = torch.randint(3, 90, (20,), generator=torch.Generator().manual_seed(9)).tolist()
+
+    def choices(model):
+        s = make_engine(model, dirs, "prelrshared").session()
+        s.append(prompt)
+        return [t.token_ids for t in s.generate_choices("plan", n=3, max_new_tokens=6, temperature=0.9, seed=3)]
+
+    oracle = Oracle(monkeypatch)
+    got = choices(graph_model)
+    monkeypatch.undo()
+    assert got == choices(eager)
+    assert oracle.steps > 0 and 3 in oracle.batch_sizes
+    assert oracle.logits_err <= FP32_LOGITS
+
+
+def test_an_adapter_loaded_at_run_time_decodes_through_the_graph(tiny, graph_model, monkeypatch, tmp_path):
+    eager, dirs, _ = tiny
+    _, hf = tiny_model("llama", seed=0, num_layers=3)
+    late = save_random_adapter(hf, tmp_path / "critic", targets=("q_proj", "v_proj"), r=4, seed=11)
+
+    def run(model):
+        engine = make_engine(model, dirs, "prelrshared", max_adapters=4)
+        s = engine.session()
+        s.append(list(range(5, 30)))
+        first = s.generate("plan", max_new_tokens=4, temperature=0.0).token_ids
+        engine.add_adapter("critic", late)
+        s.append(list(range(40, 46)))
+        return first, s.generate("critic", max_new_tokens=5, temperature=0.0).token_ids
+
+    oracle = Oracle(monkeypatch)
+    got = run(graph_model)
+    monkeypatch.undo()
+    assert got == run(eager)
+    assert oracle.steps >= 7 and oracle.logits_err <= FP32_LOGITS
+
+
+@pytest.mark.parametrize(
+    "kind,targets",
+    [
+        ("qwen2", ("q_proj", "k_proj", "v_proj")),  # q/k/v biases
+        ("qwen3", ("q_proj", "v_proj", "o_proj", "down_proj")),  # q/k norms (no k LoRA: split key)
+        ("llama", ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    ],
+)
+@pytest.mark.parametrize("method", ["nonshared", "prelrshared", "rebaseshared-db", "rebaseownshared-lp", "cacheblend"])
+def test_the_traced_step_covers_families_and_every_projection(monkeypatch, tmp_path, kind, targets, method):
+    """The step's maths (the module inductor compiles, run eagerly: ``compiled=False``) for model
+    families with biases and q/k norms, and adapters on every projection."""
+    model, hf = tiny_model(kind, seed=2)
+    dirs = {a: save_random_adapter(hf, tmp_path / a, targets=targets, r=4, seed=i + 1) for i, a in enumerate(AGENTS)}
+    ref_model, _ = tiny_model(kind, seed=2)
+    model.decode_graph = DecodeGraph(model, compiled=False)
+    oracle = Oracle(monkeypatch)
+    _, turns = run_script(make_engine(model, dirs, method))
+    monkeypatch.undo()
+    _, ref = run_script(make_engine(ref_model, dirs, method))
+    assert oracle.steps >= 10 and oracle.logits_err <= 1e-5
+    assert [t.token_ids for t in turns] == [t.token_ids for t in ref]
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "int8"])
+def test_lower_precisions_within_their_tolerance(tiny, monkeypatch, precision):
+    _, dirs, _ = tiny
+    model, _ = tiny_model("llama", seed=0, num_layers=3)
+    if precision == "int8":
+        model.quantize("int8")
+        tolerance = INT8_LOGITS
+    else:
+        hf = tiny_hf_model("llama", seed=0, num_layers=3).to(torch.bfloat16)
+        from precache.models import model_from_hf
+
+        model = model_from_hf(hf)
+        tolerance = BF16_LOGITS
+    model.compile()
+    oracle = Oracle(monkeypatch)
+    run_script(make_engine(model, dirs, "prelrshared"))
+    assert oracle.steps >= 10
+    assert oracle.logits_err <= tolerance
+
+
+def test_compile_is_the_cpu_default_and_refused_elsewhere(tmp_path, monkeypatch):
+    import precache
+
+    tiny_hf_model("llama", seed=0, num_layers=1).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="runs on the CPU only, not on cuda"):
+        precache.load_model(tmp_path, device="cuda", compile=True, require_tokenizer=False)
+    monkeypatch.delenv("PRECACHE_EAGER", raising=False)
+    assert isinstance(precache.load_model(tmp_path, require_tokenizer=False).decode_graph, DecodeGraph)
+    assert precache.load_model(tmp_path, compile=False, require_tokenizer=False).decode_graph is None
+    monkeypatch.setenv("PRECACHE_EAGER", "1")
+    assert precache.load_model(tmp_path, require_tokenizer=False).decode_graph is None
+
+
+def test_every_model_command_takes_eager(capsys):
+    from precache.cli import main
+    from precache.cli_args import add_dtype_argument, model_options
+
+    for command in (["serve"], ["bench", "trace"], ["bench", "decode"], ["eval"], ["fidelity"], ["run"]):
+        with pytest.raises(SystemExit):
+            main([*command, "--help"])
+        assert "--eager" in capsys.readouterr().out, command
+    parser = argparse.ArgumentParser()
+    add_dtype_argument(parser)
+    assert model_options(parser.parse_args(["--eager"]))["compile"] is False
+    assert model_options(parser.parse_args([]))["compile"] is None
