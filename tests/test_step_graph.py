@@ -42,7 +42,9 @@ class Oracle:
             after = [t.clone() for t in (pool.k, pool.v, pool.lr)]
             for t, b in zip((pool.k, pool.v, pool.lr), before, strict=True):
                 t.copy_(b)
-            ref = plan_module._eager_forward(model, batch, [p.row for p in batch], list(range(len(batch))), None)
+            ref = plan_module._eager_forward(
+                model, batch, [p.row for p in batch], list(range(len(batch))), None
+            )
             got_rows = got[: len(batch)].float()
             scale = ref.float().abs().max().item()
             self.logits_err = max(self.logits_err, (got_rows - ref.float()).abs().max().item() / scale)
@@ -117,7 +119,9 @@ def test_n_choices_fork_and_decode_through_the_graph(tiny, graph_model, monkeypa
     def choices(model):
         s = make_engine(model, dirs, "prelrshared").session()
         s.append(prompt)
-        return [t.token_ids for t in s.generate_choices("plan", n=3, max_new_tokens=6, temperature=0.9, seed=3)]
+        return [
+            t.token_ids for t in s.generate_choices("plan", n=3, max_new_tokens=6, temperature=0.9, seed=3)
+        ]
 
     oracle = Oracle(monkeypatch)
     got = choices(graph_model)
@@ -156,12 +160,17 @@ def test_an_adapter_loaded_at_run_time_decodes_through_the_graph(tiny, graph_mod
         ("llama", ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
     ],
 )
-@pytest.mark.parametrize("method", ["nonshared", "prelrshared", "rebaseshared-db", "rebaseownshared-lp", "cacheblend"])
+@pytest.mark.parametrize(
+    "method", ["nonshared", "prelrshared", "rebaseshared-db", "rebaseownshared-lp", "cacheblend"]
+)
 def test_the_traced_step_covers_families_and_every_projection(monkeypatch, tmp_path, kind, targets, method):
     """The step's maths (the module inductor compiles, run eagerly: ``compiled=False``) for model
     families with biases and q/k norms, and adapters on every projection."""
     model, hf = tiny_model(kind, seed=2)
-    dirs = {a: save_random_adapter(hf, tmp_path / a, targets=targets, r=4, seed=i + 1) for i, a in enumerate(AGENTS)}
+    dirs = {
+        a: save_random_adapter(hf, tmp_path / a, targets=targets, r=4, seed=i + 1)
+        for i, a in enumerate(AGENTS)
+    }
     ref_model, _ = tiny_model(kind, seed=2)
     model.decode_graph = DecodeGraph(model, compiled=False)
     oracle = Oracle(monkeypatch)

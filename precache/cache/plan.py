@@ -107,11 +107,8 @@ def run_plans(
         raise ContextLengthError(f"position {last} is past the context length {model.max_context}")
     reserve_writes(batch)
     wanted = [j for j, p in enumerate(batch) if p.want_logits]
-    logits = _captured_step(model, batch)
-    if logits is not None:
-        logits = logits[wanted]
-    else:
-        logits = _eager_forward(model, batch, rows, wanted, backend)
+    captured = _captured_step(model, batch)
+    logits = captured[wanted] if captured is not None else _eager_forward(model, batch, rows, wanted, backend)
     _commit(batch)
     result: list[torch.Tensor | None] = [None] * len(plans)
     for k, j in enumerate(wanted):

@@ -53,7 +53,12 @@ class _Stacks:
         self.rank = max((a.rank for a in adapters), default=0)
         self.tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for proj in PROJECTIONS:
-            shapes = [(w[0].shape[0], w[1].shape[1]) for a in adapters for (_, p), w in a.weights.items() if p == proj]
+            shapes = [
+                (w[0].shape[0], w[1].shape[1])
+                for a in adapters
+                for (_, p), w in a.weights.items()
+                if p == proj
+            ]
             if not shapes:
                 continue
             d_in, d_out = shapes[0]
@@ -79,7 +84,9 @@ def _stacks(pool: KVPool, adapters: list[LoRAAdapter], num_layers: int) -> _Stac
     return cache["stacks"]
 
 
-def _lr_down(pool: KVPool, writers: dict[int, tuple[slice, slice, LoRAAdapter]], num_layers: int, hidden: int):
+def _lr_down(
+    pool: KVPool, writers: dict[int, tuple[slice, slice, LoRAAdapter]], num_layers: int, hidden: int
+):
     """``[n_layers, hidden, C]``: each written agent's ``A^k`` / ``A^v`` at its columns, zeros
     elsewhere; built once per set of writers (kept on the pool)."""
     key = ("lr_down", tuple(sorted((s, id(a)) for s, (_, _, a) in writers.items())))
@@ -96,11 +103,13 @@ def _lr_down(pool: KVPool, writers: dict[int, tuple[slice, slice, LoRAAdapter]],
 
 
 def _row_of(store, pos: int) -> int:
-    (_, _, row), = store.runs(pos, pos + 1)
+    ((_, _, row),) = store.runs(pos, pos + 1)
     return row
 
 
-def decode_step_inputs(model, plans: list[RowPlan], pool: KVPool) -> tuple[DecodeStepInputs, StepWrites] | None:
+def decode_step_inputs(
+    model, plans: list[RowPlan], pool: KVPool
+) -> tuple[DecodeStepInputs, StepWrites] | None:
     """The captured step's inputs and the step's pool writes for ``plans`` (one token each, in
     batch order, their written blocks already reserved), or None when the graph does not run them
     (module docstring)."""
@@ -113,7 +122,11 @@ def decode_step_inputs(model, plans: list[RowPlan], pool: KVPool) -> tuple[Decod
     base_w, full_w, lr_w = [], [], []
     for b, plan in enumerate(plans):
         pos = plan.pos0
-        for a in [plan.adapter] + [v.adapter for v in plan.views] + [w.adapter for w in plan.writes if isinstance(w, LRWrite)]:
+        for a in (
+            [plan.adapter]
+            + [v.adapter for v in plan.views]
+            + [w.adapter for w in plan.writes if isinstance(w, LRWrite)]
+        ):
             if a is not None:
                 if a.biases:
                     return None
@@ -206,7 +219,9 @@ def _tensors(model, pool, rows, stacks: _Stacks, writers, base_w, full_w, lr_w):
             lr_cols[b, R : R + cv.stop - cv.start] = torch.arange(cv.start, cv.stop)
     lr_down = _lr_down(pool, writers, model.config.num_layers, model.config.hidden_size) if writers else None
     if reads_lr and lr_down is None:  # the graph overlays the own key's LR part from the new rows
-        lr_down = torch.zeros(model.config.num_layers, model.config.hidden_size, pool.lr_width, dtype=pool.dtype)
+        lr_down = torch.zeros(
+            model.config.num_layers, model.config.hidden_size, pool.lr_width, dtype=pool.dtype
+        )
     device = pool.device
 
     def pairs(ws):

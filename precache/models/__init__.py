@@ -9,12 +9,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from precache.compute import on_compute
 from precache.errors import ModelLoadError
-from precache.models.step_graph import check_compile
 from precache.models.config import MODEL_REGISTRY, ModelConfig
 from precache.models.contract import AttentionBackend, LayerInput, Row
 from precache.models.llama import DenseAttention, LlamaModel, dense_logits
 from precache.models.loader import checkpoint_name, embedded_checkpoint, resolve_checkpoint
 from precache.models.quant import QUANTIZATIONS, check_quantization
+from precache.models.step_graph import check_compile
 
 #: files any of which makes a checkpoint folder carry a tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -161,7 +161,7 @@ class _Step(torch.nn.Module):
         c, w, eps = self.config, self.w, self.config.rms_norm_eps
         B, L = inp.slots.shape
         Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
-        G, I = Hq // Hkv, c.intermediate_size
+        G, inter = Hq // Hkv, c.intermediate_size
         stacks, idx = inp.stacks, inp.adapter
         x = w.embed[inp.token_ids]  # [B, hidden]
         cos, sin = self.cos[inp.positions], self.sin[inp.positions]  # [B, D]
@@ -184,12 +184,17 @@ class _Step(torch.nn.Module):
             if hasattr(w, p + "q_norm"):
                 q = _rms(q, getattr(w, p + "q_norm"), eps)
             if hasattr(w, p + "k_norm"):
-                k, k_full = _rms(k, getattr(w, p + "k_norm"), eps), _rms(k_full, getattr(w, p + "k_norm"), eps)
+                k, k_full = (
+                    _rms(k, getattr(w, p + "k_norm"), eps),
+                    _rms(k_full, getattr(w, p + "k_norm"), eps),
+                )
             q, k, k_full = _rope(q, cos, sin), _rope(k, cos, sin), _rope(k_full, cos, sin)
             out_kb.append(k), out_vb.append(v), out_kf.append(k_full), out_vf.append(v_full)
             # the row's view: pool rows, its own new entry in place of the unwritten slot
             keys = torch.where(is_self, torch.where(self_full, k_full, k).unsqueeze(1), pool_k[i][inp.slots])
-            values = torch.where(is_self, torch.where(self_full, v_full, v).unsqueeze(1), pool_v[i][inp.slots])
+            values = torch.where(
+                is_self, torch.where(self_full, v_full, v).unsqueeze(1), pool_v[i][inp.slots]
+            )
             lv = None
             if inp.lr_down is not None:
                 new_lr = h @ inp.lr_down[i]  # [B, C]
@@ -215,13 +220,18 @@ class _Step(torch.nn.Module):
                 bv = stacks["v_proj"][1][inp.lr_adapter, i].view(B, -1, Hkv, D).permute(0, 2, 1, 3)
                 attn = attn + torch.matmul(plv.view(B, Hkv, G, -1), bv)  # + s (P Lv) B^v
             attn = attn.reshape(B, Hq * D)
-            x = x + _plus(w.linear(attn, p + "o_proj", p + "o_proj_bias"), _lora(attn, stacks.get("o_proj"), i, idx))
+            x = x + _plus(
+                w.linear(attn, p + "o_proj", p + "o_proj_bias"), _lora(attn, stacks.get("o_proj"), i, idx)
+            )
             h = _rms(x, getattr(w, p + "post_norm"), eps)
-            gate, up = w.linear(h, p + "gate_up", p + "gate_up_bias").split([I, I], dim=-1)
+            gate, up = w.linear(h, p + "gate_up", p + "gate_up_bias").split([inter, inter], dim=-1)
             gate = _plus(gate, _lora(h, stacks.get("gate_proj"), i, idx))
             up = _plus(up, _lora(h, stacks.get("up_proj"), i, idx))
             gated = self.act(gate) * up
-            x = x + _plus(w.linear(gated, p + "down_proj", p + "down_proj_bias"), _lora(gated, stacks.get("down_proj"), i, idx))
+            x = x + _plus(
+                w.linear(gated, p + "down_proj", p + "down_proj_bias"),
+                _lora(gated, stacks.get("down_proj"), i, idx),
+            )
         logits = w.linear(_rms(x, w.norm, eps), "lm_head").float()
         lr_out = torch.stack(out_lr) if out_lr else None
         return DecodeStepOutputs(
