@@ -2,11 +2,12 @@
 turn's adapter applied per request (its ``lora`` field), the model and adapters converted to GGUF
 with llama.cpp's own converters.
 
-Four configurations (:data:`CONFIGS`), each a runner of :func:`precache.bench.suite.run_suite`:
+Five configurations (:data:`CONFIGS`), each a runner of :func:`precache.bench.suite.run_suite`:
 
 - ``llama-cpp-f32`` / ``llama-cpp-q8_0``: one slot per agent (``id_slot``), llama.cpp's best for
   a multi-adapter trajectory: each agent's slot keeps its own cache across its turns and prefills
   only what the other agents appended since (NonShared's token count);
+- ``llama-cpp-q4_0``: the same with 4-bit weights (``llama-quantize`` from the f32 file);
 - ``llama-cpp-f32-1slot`` / ``llama-cpp-q8_0-1slot``: one slot for every agent; llama.cpp clears a
   slot's cache when the next request's adapters differ, so every adapter switch recomputes the
   trajectory.
@@ -57,7 +58,10 @@ CONFIGS = {
     "llama-cpp-f32-1slot": ("f32", False),
     "llama-cpp-q8_0": ("q8_0", True),
     "llama-cpp-q8_0-1slot": ("q8_0", False),
+    "llama-cpp-q4_0": ("q4_0", True),
 }
+#: weight types the converter does not write: llama-quantize makes them from the f32 GGUF
+QUANTIZED_TYPES = {"q4_0": "Q4_0"}
 #: bytes of one K or V value in llama.cpp's default cache type (f16)
 KV_VALUE_BYTES = 2
 START_TIMEOUT_S = 120.0
@@ -168,6 +172,21 @@ def gguf_model(tree: LlamaCppTree, checkpoint: str | os.PathLike, weight_type: s
     """
     checkpoint = Path(checkpoint)
     out = _cache_dir() / f"model-{_fingerprint(checkpoint)}-{tree.version}-{weight_type}.gguf"
+    if weight_type in QUANTIZED_TYPES:  # llama-quantize over the f32 file
+        if not out.exists():
+            source = gguf_model(tree, checkpoint, "f32")
+            quantize = tree.server.parent / "llama-quantize"
+            part = out.with_suffix(".part")
+            proc = subprocess.run(
+                [str(quantize), str(source), str(part), QUANTIZED_TYPES[weight_type]],
+                capture_output=True,
+                text=True,
+            )
+            if proc.returncode:
+                tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+                raise PrecacheError(f"llama-quantize failed on {checkpoint} ({weight_type}):\n{tail}")
+            part.rename(out)
+        return out
     args = [str(tree.src / "convert_hf_to_gguf.py"), "{staged}", "--outtype", weight_type]
     return _converted(out, checkpoint, args, f"{checkpoint} ({weight_type})")
 

@@ -204,7 +204,9 @@ def _study(args: argparse.Namespace) -> int:
     runs, skipped = plan_runs(args.benchmark, args.adapters)
     for note in skipped:
         logger.warning(note)
-    model = precache.load_model(args.model)
+    # eager: the stored points were run eager, and a resumed point must not mix two decode paths
+    # (the compiled step's logits differ from eager's by float rounding, which can flip a near-tie)
+    model = precache.load_model(args.model, compile=False)
     out = Path(args.out)
     results = _run_all(args, model, runs, skipped, out)
     if args.shard is not None:

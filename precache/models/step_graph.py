@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 
 from precache.models.contract import DecodeStepInputs, DecodeStepOutputs
 from precache.models.quant import Int8Weight
+from precache.terminal import progress
 
 logger = logging.getLogger(__name__)
 
@@ -252,6 +254,7 @@ class DecodeGraph:
     def __init__(self, model, compiled: bool = True):
         self.module = _Step(model).eval()
         self.compiled = compiled
+        self._variants: set[tuple] = set()  # graphs compiled (or loaded from the disk cache) so far
         if compiled:
             inductor_cache_dir()
             self._fn = torch.compile(self.module, dynamic=False)
@@ -271,7 +274,29 @@ class DecodeGraph:
             per_row = (inputs.token_ids, inputs.positions, inputs.adapter, inputs.self_full, inputs.lr_cols)
             for t in (*per_row, inputs.lr_adapter, *per_key):
                 torch._dynamo.mark_dynamic(t, 0)
-        # inductor's config is per thread and the step runs on the compute thread (precache.compute):
-        # torch.compile's own options were not applied there
-        with inductor_config.patch(INDUCTOR_OPTIONS):
-            return self._fn(inputs, pool_k, pool_v, pool_lr)
+        for a, b in inputs.stacks.values():  # adapters loaded at run time add rows, not graphs
+            torch._dynamo.mark_dynamic(a, 0)
+            torch._dynamo.mark_dynamic(b, 0)
+        variant = _variant(inputs, pool_lr)
+        if variant in self._variants:
+            # inductor's config is per thread and the step runs on the compute thread
+            # (precache.compute): torch.compile's own options were not applied there
+            with inductor_config.patch(INDUCTOR_OPTIONS):
+                return self._fn(inputs, pool_k, pool_v, pool_lr)
+        rows = "1 row" if variant[0] == 1 else "2 rows or more"
+        t0 = time.perf_counter()
+        with (
+            progress(1, f"compiling the decode step ({rows}; cached under {inductor_cache_dir()})"),
+            inductor_config.patch(INDUCTOR_OPTIONS),
+        ):
+            out = self._fn(inputs, pool_k, pool_v, pool_lr)
+        self._variants.add(variant)
+        logger.info("decode step for %s compiled in %.1f s", rows, time.perf_counter() - t0)
+        return out
+
+
+def _variant(inputs: DecodeStepInputs, pool_lr: torch.Tensor) -> tuple:
+    """What makes dynamo trace a new graph: one row or more, the LoRA layout, the LR widths."""
+    layout = tuple(sorted((p, tuple(a.shape[1:]), tuple(b.shape[1:])) for p, (a, b) in inputs.stacks.items()))
+    lr_down = None if inputs.lr_down is None else tuple(inputs.lr_down.shape)
+    return (min(inputs.slots.shape[0], 2), layout, inputs.lr_cols.shape[1], lr_down, tuple(pool_lr.shape[2:]))
