@@ -31,6 +31,7 @@ per pool tensor for all layers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -52,6 +53,9 @@ logger = logging.getLogger(__name__)
 #: which inductor then never caches on disk (every start compiled for 77 s); SmolLM2 decodes as
 #: fast without it (26-28 ms a step either way on a 2-core AVX512 machine, benchmarks/RESULTS.md)
 INDUCTOR_OPTIONS = {"cpp_wrapper": True}
+
+#: graphs of the step one process may hold (one per row count, method layout and adapter layout)
+RECOMPILE_LIMIT = 64
 
 #: the projections a LoRA adapter may adapt, in the order the graph applies them
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -279,20 +283,30 @@ class DecodeGraph:
             torch._dynamo.mark_dynamic(b, 0)
         variant = _variant(inputs, pool_lr)
         if variant in self._variants:
-            # inductor's config is per thread and the step runs on the compute thread
-            # (precache.compute): torch.compile's own options were not applied there
-            with inductor_config.patch(INDUCTOR_OPTIONS):
+            with _configured():
                 return self._fn(inputs, pool_k, pool_v, pool_lr)
         rows = "1 row" if variant[0] == 1 else "2 rows or more"
         t0 = time.perf_counter()
         with (
             progress(1, f"compiling the decode step ({rows}; cached under {inductor_cache_dir()})"),
-            inductor_config.patch(INDUCTOR_OPTIONS),
+            _configured(),
         ):
             out = self._fn(inputs, pool_k, pool_v, pool_lr)
         self._variants.add(variant)
         logger.info("decode step for %s compiled in %.1f s", rows, time.perf_counter() - t0)
         return out
+
+
+@contextlib.contextmanager
+def _configured():
+    """Inductor's and dynamo's settings for the step, set in the calling thread: their config is
+    per thread and the step runs on the compute thread (precache.compute), where torch.compile's
+    own options were not applied. Every graph of every model in the process counts against one
+    frame's recompile limit (8 by default), past which dynamo would run the step eagerly without a
+    word: :data:`RECOMPILE_LIMIT`."""
+    limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    with inductor_config.patch(INDUCTOR_OPTIONS), torch._dynamo.config.patch(recompile_limit=limit):
+        yield
 
 
 def _variant(inputs: DecodeStepInputs, pool_lr: torch.Tensor) -> tuple:

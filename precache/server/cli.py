@@ -158,6 +158,7 @@ def serve(args: argparse.Namespace) -> int:
         max_adapters=max_adapters,
         max_lora_rank=args.max_lora_rank,
     )
+    engine.compile_decode_step()  # before the socket serves: no request waits for a compile
     config = ServerConfig(
         model_name=name,
         max_running=args.max_num_seqs,
