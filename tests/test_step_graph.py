@@ -226,3 +226,13 @@ def test_every_model_command_takes_eager(capsys):
     add_dtype_argument(parser)
     assert model_options(parser.parse_args(["--eager"]))["compile"] is False
     assert model_options(parser.parse_args([]))["compile"] is None
+
+
+def test_compile_decode_step_compiles_one_row_and_a_batch_before_any_request(tiny):
+    _, dirs, _ = tiny
+    model, _ = tiny_model("llama", seed=0, num_layers=3)
+    model.compile()
+    engine = make_engine(model, dirs, "prelrshared")
+    engine.compile_decode_step()
+    assert {v[0] for v in model.decode_graph._variants} == {1, 2}  # one row; any larger batch
+    assert engine.cache_usage()["allocated"] == 0  # the throwaway sessions left nothing behind

@@ -20,6 +20,7 @@ from transformers import DynamicCache
 import precache
 from precache.bench.common import add_common_args, hf_model_of, write_results
 from precache.cli_args import model_options
+from precache.compute import on_compute
 from precache.methods import METHOD_REGISTRY
 from precache.models.quant import Int8Weight
 from precache.resources import adapter_set
@@ -114,15 +115,17 @@ def _bench_decode(args: argparse.Namespace) -> int:
         engine_decode(engine, args.agent, prompts[:2], 4)
         engine_decode(engine, args.agent, prompts[:1], 4)
     peft = PeftModel.from_pretrained(hf_model_of(model), str(adapters[args.agent])).eval()
-    hf_peft_decode(peft, prompts[0], 4)
+    # every side on the compute thread: a second OpenMP team (HF on the main thread) slowed both
+    # sides 2-3x when their runs interleave (precache.compute)
+    on_compute(lambda: hf_peft_decode(peft, prompts[0], 4))
     runs: dict[str, list[dict]] = {name: [] for name in [*engines, "hf_peft"]}
     for _ in range(args.repeats):  # interleaved: every side sees the same drift of the machine
         for name, engine in engines.items():
             run = engine_decode(engine, args.agent, prompts, args.new_tokens)
             run.pop("token_ids")
             runs[name].append(run)
-        runs["hf_peft"].append(hf_peft_decode(peft, prompts[0], args.new_tokens))
-    bandwidth = read_bandwidth()
+        runs["hf_peft"].append(on_compute(lambda: hf_peft_decode(peft, prompts[0], args.new_tokens)))
+    bandwidth = on_compute(read_bandwidth)
     context = args.prompt_len + args.new_tokens // 2  # the mean context over the decode
     result: dict = {"read_bandwidth_GBps": bandwidth / 1e9, "repeats": args.repeats}
     for name, rs in runs.items():
