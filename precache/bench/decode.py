@@ -73,17 +73,20 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return x.numel() * 4 / statistics.median(times)
 
 
-def step_bytes(model, batch: int, context: int) -> int:
+def step_bytes(model, batch: int, context: int, fp32: bool = False) -> int:
     """Bytes one decode step reads at least: every weight matrix once (the embedding row aside) plus
-    each row's KV cache (``context`` positions of K and V at every layer, in the model's dtype)."""
+    each row's KV cache (``context`` positions of K and V at every layer, in the model's dtype);
+    ``fp32``: as fp32 weights and caches (the HF + PEFT baseline's)."""
 
     def size(t) -> int:
+        if fp32:
+            return 4 * (t.qweight.numel() if isinstance(t, Int8Weight) else t.numel())
         return t.nbytes() if isinstance(t, Int8Weight) else t.numel() * t.element_size()
 
     weights = sum(size(t) for w in model.layers for t in w.values() if t is not None)
     weights += size(model.lm_head) + size(model.norm)
     c = model.config
-    kv = 2 * c.num_layers * c.kv_size * torch.finfo(model.dtype).bits // 8
+    kv = 2 * c.num_layers * c.kv_size * (4 if fp32 else torch.finfo(model.dtype).bits // 8)
     return weights + batch * context * kv
 
 
@@ -131,12 +134,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
     for name, rs in runs.items():
         batch = 1 if name == "hf_peft" else args.concurrency
         steps = [r["seconds"] / (r["tokens"] / batch) for r in rs]  # seconds per decode step
-        gbps = [
-            step_bytes(model if name != "hf_peft" else sides.get("engine_eager", model), batch, context)
-            / t
-            / 1e9
-            for t in steps
-        ]
+        gbps = [step_bytes(model, batch, context, fp32=name == "hf_peft") / t / 1e9 for t in steps]
         result[name] = {
             "runs": rs,
             "tokens_per_s": _spread([r["tokens_per_s"] for r in rs]),
