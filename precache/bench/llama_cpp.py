@@ -17,7 +17,9 @@ adapter for a request under another (``benchmarks/llama_cpp_reuse.py`` shows the
 gives), and it would also carry a replay's cache into the next repeat. Each replay starts by
 erasing every slot. Times are llama-server's own (``timings``: ``prompt_ms`` is the TTFT,
 ``predicted_ms`` the decode), so HTTP costs llama.cpp nothing here. Its KV cache is llama.cpp's
-default f16; ``kv_bytes`` counts the tokens its slots hold at 2 bytes a value.
+default f16; ``kv_bytes`` counts the tokens its slots hold at 2 bytes a value. On a CPU with AMX
+the servers run with ``--no-repack``: llama.cpp's AMX-repacked quantized weights crash llama-server
+as it loads the LoRA adapters.
 
 Nothing of llama.cpp is committed or installed by ``make install``: ``make llama-cpp`` builds
 llama-server from the tree llama-cpp-python vendors (``benchmarks/llama_cpp/install.sh``) into
@@ -203,6 +205,14 @@ def gguf_adapter(tree: LlamaCppTree, adapter: str | os.PathLike, checkpoint: str
     return _converted(out, checkpoint, args, str(adapter))
 
 
+def _has_amx() -> bool:
+    """Whether this CPU has AMX (``amx_int8`` among /proc/cpuinfo's flags; False elsewhere)."""
+    try:
+        return "amx_int8" in Path("/proc/cpuinfo").read_text(encoding="utf-8")
+    except OSError:
+        return False
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -258,6 +268,11 @@ class LlamaServer:
         ]
         if loras:
             cmd += ["--lora", ",".join(str(p) for p in loras), "--lora-init-without-apply"]
+            if _has_amx():
+                # llama.cpp's AMX-repacked weights with LoRA adapters crash llama-server as it
+                # starts (SIGSEGV, q8_0, llama-cpp-python 0.3.36's tree; 2026-12-02): its other
+                # CPU kernels then
+                cmd.append("--no-repack")
         logger.debug("starting %s", " ".join(cmd))
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         try:
