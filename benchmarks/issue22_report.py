@@ -22,7 +22,7 @@ def report(path: str) -> str:
     cfg = d.get("config", {})
     out = [
         f"`{path}`: trace {d['trace']}, dtype {cfg.get('dtype') or 'float32'}"
-        f"{', int8 weights' if cfg.get('quantization') else ''}{', --compile-decode' if cfg.get('compile_decode') else ''}, {d['repeats']} repeats "
+        f"{', int8 weights' if cfg.get('quantization') else ''}{', --compile-decode' if cfg.get('compile_decode') else ''}{', eager' if cfg.get('eager') else (', compiled decode step' if 'eager' in cfg else '')}, {d['repeats']} repeats "
         f"(min / median / max)",
         "",
         "| method | sum TTFT (s) | sum latency (s) | decode (tok/s) | prefill tokens | peak KV (MiB) |",
@@ -52,7 +52,7 @@ def report(path: str) -> str:
                 [n["ttft_s"] / p["ttft_s"] for n, p in zip(non, pre, strict=True)],
             ),
         ]
-        for base in ("llama-cpp-f32", "llama-cpp-q8_0"):
+        for base in ("llama-cpp-f32", "llama-cpp-q8_0", "llama-cpp-q4_0"):
             if base in m:
                 rows.append(
                     (

@@ -77,3 +77,19 @@ def test_episode_replay_reproduces_the_recorded_turns(tiny):
     # generated token (its other tokens went through decode steps)
     new = sum(len(t.appended) for t in recorded) + len(recorded) - 1
     assert pre["prefill_tokens"] == 2 * new < ns["prefill_tokens"]
+
+
+def test_decode_step_bytes_count_every_weight_matrix_once_and_each_rows_cache():
+    from precache.bench.decode import step_bytes
+    from tests.tiny import tiny_model
+
+    model, hf = tiny_model("llama", seed=0, num_layers=2)
+    c = model.config
+    # every parameter of the HF model but the embedding (one row read), fp32
+    weights = 4 * sum(p.numel() for n, p in hf.named_parameters() if "embed_tokens" not in n)
+    kv_token = 2 * c.num_layers * c.kv_size * 4
+    assert step_bytes(model, 1, 0) == weights
+    assert step_bytes(model, 3, 10) == weights + 3 * 10 * kv_token
+    model.quantize("int8")
+    assert step_bytes(model, 1, 0) < weights / 2  # int8 matrices plus bf16 scales
+    assert step_bytes(model, 1, 0, fp32=True) == weights
