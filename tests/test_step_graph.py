@@ -223,7 +223,16 @@ def test_every_model_command_takes_eager(capsys):
     from precache.cli import main
     from precache.cli_args import add_dtype_argument, model_options
 
-    for command in (["serve"], ["bench", "trace"], ["bench", "decode"], ["eval"], ["fidelity"], ["run"]):
+    commands = (
+        ["serve"],
+        ["bench", "trace"],
+        ["bench", "decode"],
+        ["bench", "soak"],
+        ["eval"],
+        ["fidelity"],
+        ["run"],
+    )
+    for command in commands:
         with pytest.raises(SystemExit):
             main([*command, "--help"])
         assert "--eager" in capsys.readouterr().out, command

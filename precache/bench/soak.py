@@ -224,7 +224,15 @@ def _one_server(model, adapters: dict, method: str, kv_cache_bytes: int | None, 
 
 
 @contextmanager
-def _cluster(model_arg, adapters: dict, method: str, kv_cache_bytes: int | None, config, replicas: int):
+def _cluster(
+    model_arg,
+    adapters: dict,
+    method: str,
+    kv_cache_bytes: int | None,
+    config,
+    replicas: int,
+    compile: bool | None,
+):
     from precache.cluster import require_ray
 
     require_ray()
@@ -233,7 +241,7 @@ def _cluster(model_arg, adapters: dict, method: str, kv_cache_bytes: int | None,
 
     folder = resolve_checkpoint(model_arg)
     folders = {name: str(Path(path).resolve()) for name, path in adapters.items()}
-    spec = EngineSpec(str(folder), folders, method, kv_cache_bytes)
+    spec = EngineSpec(str(folder), folders, method, kv_cache_bytes, compile=compile)
     cluster = ClusterConfig(replicas=replicas, num_cpus_per_replica=1.0, shutdown_timeout_s=5.0)
     app = checkpoint_app(folder, spec, config, cluster)
     with ClusterServer(app, port=0, num_cpus=local_cpus(cluster)) as server:
@@ -257,11 +265,12 @@ def _cluster(model_arg, adapters: dict, method: str, kv_cache_bytes: int | None,
 
 
 def run_soak(model, adapters: dict, method: str, duration_s: float, tenants: int, kv_cache_bytes: int | None, seed: int,
-             verify_limit: int, stall_hold_s: float = 20.0, replicas: int | None = None, model_arg=None) -> dict:  # fmt: skip
+             verify_limit: int, stall_hold_s: float = 20.0, replicas: int | None = None, model_arg=None,
+             compile: bool | None = None) -> dict:  # fmt: skip
     """Run the soak described in the module docstring; returns the report (JSON-ready).
     ``model`` is the loaded model (the verification engine's, and one server's); with
     ``replicas``, each replica loads ``model_arg`` (a checkpoint path; None: the embedded model)
-    itself. ``stall_hold_s``: how long each stalled reader keeps its socket open without reading
+    itself, with ``compile`` (None: the compiled decode step on a CPU). ``stall_hold_s``: how long each stalled reader keeps its socket open without reading
     (well past the servers' 2 s stall timeout once its buffers are full)."""
     from precache.server import ServerConfig
 
@@ -273,7 +282,7 @@ def run_soak(model, adapters: dict, method: str, duration_s: float, tenants: int
     rss: list[tuple[float, dict[str, float]]] = []
     killed, killed_at = None, None
     if replicas:
-        target = _cluster(model_arg, adapters, method, kv_cache_bytes, config, replicas)
+        target = _cluster(model_arg, adapters, method, kv_cache_bytes, config, replicas, compile)
     else:
         target = _one_server(model, adapters, method, kv_cache_bytes, config)
     with target as server:
@@ -377,7 +386,8 @@ def _bench_soak(args: argparse.Namespace) -> int:
 
     for name in ("httpx", "httpx2", "precache.server.access"):  # a line per request: thousands
         logging.getLogger(name).setLevel(logging.WARNING)
-    model = precache.load_model(args.model)
+    compile = False if args.eager else None
+    model = precache.load_model(args.model, compile=compile)
     adapters = adapter_set(args.adapters, ["plan", "action", "reflect"])
     result = run_soak(
         model,
@@ -390,6 +400,7 @@ def _bench_soak(args: argparse.Namespace) -> int:
         args.verify_limit,
         replicas=args.replicas,
         model_arg=args.model,
+        compile=compile,
     )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
@@ -423,6 +434,9 @@ def add_bench_soak(bench_sub: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=None,
         help="serve on N Ray Serve replicas (precache[cluster]) and kill one half-way",
+    )
+    p.add_argument(
+        "--eager", action="store_true", help="run decode steps eagerly (default: one compiled graph per step)"
     )
     p.add_argument("--json", required=True, help="the report")
     p.set_defaults(func=_bench_soak)
