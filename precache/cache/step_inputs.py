@@ -20,10 +20,9 @@ import torch
 from precache.cache.pool import KVPool
 from precache.cache.rowplan import BaseWrite, FullWrite, LRWrite, RowPlan
 from precache.lora.adapter import LoRAAdapter
+from precache.lora.targets import PROJECTIONS
 from precache.models.contract import DecodeStepInputs, DecodeStepOutputs
 
-#: the projections a LoRA adapter may adapt (the graph's stacks)
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: adapters a pool's stacks hold before they are rebuilt from one step's adapters only
 MAX_STACKED = 16
 

@@ -105,7 +105,8 @@ class RotaryEmbedding:
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` ``[n, heads, head_dim]`` by tables ``[n, head_dim]``."""
+        """Rotate ``x`` ``[..., heads, head_dim]`` by tables ``[..., head_dim]`` (one per leading
+        index: ``[n, heads, D]`` by ``[n, D]``, or ``[B, L, heads, D]`` by ``[B, L, D]``)."""
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+        return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)

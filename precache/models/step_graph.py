@@ -43,7 +43,9 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
 from precache.models.contract import DecodeStepInputs, DecodeStepOutputs
+from precache.models.llama import rms_norm
 from precache.models.quant import Int8Weight
+from precache.models.rope import RotaryEmbedding
 from precache.terminal import progress
 
 logger = logging.getLogger(__name__)
@@ -56,9 +58,6 @@ INDUCTOR_OPTIONS = {"cpp_wrapper": True}
 
 #: graphs of the step one process may hold (one per row count, method layout and adapter layout)
 RECOMPILE_LIMIT = 64
-
-#: the projections a LoRA adapter may adapt, in the order the graph applies them
-LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def check_compile(device, quantization: str | None = None) -> None:
@@ -127,18 +126,6 @@ class _Weights(torch.nn.Module):
         return y
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE (RoFormer eq. 34) of ``x`` ``[..., heads, D]`` by tables ``[..., D]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
-
-
 def _lora(x: torch.Tensor, stack, layer: int, index: torch.Tensor) -> torch.Tensor | None:
     """Each row's ``s (x A) B`` ``[B, d_out]`` from the stacks by the rows' adapter ``index``."""
     if stack is None:
@@ -181,20 +168,24 @@ class _Step(torch.nn.Module):
         out_kb, out_vb, out_kf, out_vf, out_lr = [], [], [], [], []
         for i in range(c.num_layers):
             p = f"l{i}_"
-            h = _rms(x, getattr(w, p + "input_norm"), eps)
+            h = rms_norm(x, getattr(w, p + "input_norm"), eps)
             q, k, v = w.linear(h, p + "qkv", p + "qkv_bias").split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = _plus(q, _lora(h, stacks.get("q_proj"), i, idx)).view(B, Hq, D)
             k_full = _plus(k, _lora(h, stacks.get("k_proj"), i, idx)).view(B, Hkv, D)
             v_full = _plus(v, _lora(h, stacks.get("v_proj"), i, idx)).view(B, Hkv, D)
             k, v = k.view(B, Hkv, D), v.view(B, Hkv, D)
             if hasattr(w, p + "q_norm"):
-                q = _rms(q, getattr(w, p + "q_norm"), eps)
+                q = rms_norm(q, getattr(w, p + "q_norm"), eps)
             if hasattr(w, p + "k_norm"):
                 k, k_full = (
-                    _rms(k, getattr(w, p + "k_norm"), eps),
-                    _rms(k_full, getattr(w, p + "k_norm"), eps),
+                    rms_norm(k, getattr(w, p + "k_norm"), eps),
+                    rms_norm(k_full, getattr(w, p + "k_norm"), eps),
                 )
-            q, k, k_full = _rope(q, cos, sin), _rope(k, cos, sin), _rope(k_full, cos, sin)
+            q, k, k_full = (
+                RotaryEmbedding.apply(q, cos, sin),
+                RotaryEmbedding.apply(k, cos, sin),
+                RotaryEmbedding.apply(k_full, cos, sin),
+            )
             out_kb.append(k), out_vb.append(v), out_kf.append(k_full), out_vf.append(v_full)
             # the row's view: pool rows, its own new entry in place of the unwritten slot
             keys = torch.where(is_self, torch.where(self_full, k_full, k).unsqueeze(1), pool_k[i][inp.slots])
@@ -212,7 +203,7 @@ class _Step(torch.nn.Module):
                 lk, lv = lr[..., :rank_k], lr[..., rank_k:]
                 if "k_proj" in stacks:
                     delta = torch.bmm(lk, stacks["k_proj"][1][inp.lr_adapter, i]).view(B, L, Hkv, D)
-                    keys = keys + _rope(delta, key_cos, key_sin)
+                    keys = keys + RotaryEmbedding.apply(delta, key_cos, key_sin)
             qh = (q * scale).view(B, Hkv, G, D)
             scores = torch.matmul(qh, keys.permute(0, 2, 3, 1))  # [B, Hkv, G, L]
             visible = inp.key_valid
@@ -229,7 +220,7 @@ class _Step(torch.nn.Module):
             x = x + _plus(
                 w.linear(attn, p + "o_proj", p + "o_proj_bias"), _lora(attn, stacks.get("o_proj"), i, idx)
             )
-            h = _rms(x, getattr(w, p + "post_norm"), eps)
+            h = rms_norm(x, getattr(w, p + "post_norm"), eps)
             gate, up = w.linear(h, p + "gate_up", p + "gate_up_bias").split([inter, inter], dim=-1)
             gate = _plus(gate, _lora(h, stacks.get("gate_proj"), i, idx))
             up = _plus(up, _lora(h, stacks.get("up_proj"), i, idx))
@@ -238,7 +229,7 @@ class _Step(torch.nn.Module):
                 w.linear(gated, p + "down_proj", p + "down_proj_bias"),
                 _lora(gated, stacks.get("down_proj"), i, idx),
             )
-        logits = w.linear(_rms(x, w.norm, eps), "lm_head").float()
+        logits = w.linear(rms_norm(x, w.norm, eps), "lm_head").float()
         lr_out = torch.stack(out_lr) if out_lr else None
         return DecodeStepOutputs(
             logits, torch.stack(out_kb), torch.stack(out_vb), torch.stack(out_kf), torch.stack(out_vf), lr_out
