@@ -67,8 +67,12 @@ def test_every_refused_vllm_field_is_a_400_naming_it(served, field, path):
 REFUSED_VALUES = [
     ("completions", {"frobnicate": 1}, "frobnicate"),
     ("chat/completions", {"temperaturee": 0.5}, "temperaturee"),
-    ("chat/completions", {"response_format": {"type": "yaml"}}, "response_format"),
-    ("completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ("chat/completions", {"response_format": {"type": "yaml"}}, "response_format.type"),
+    (
+        "completions",
+        {"response_format": {"type": "json_schema", "json_schema": {}}},
+        "response_format.json_schema.schema",
+    ),
     # the test tokenizer (one word-level token per character) is one llguidance cannot read
     ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("completions", {"guided_regex": "[0-9]+"}, "guided_regex"),
@@ -103,8 +107,8 @@ REFUSED_VALUES = [
     ("completions", {"logit_bias": {"+5": 1}}, "logit_bias"),
     ("completions", {"session_id": "s" * 257}, "session_id"),
     ("chat/completions", {"request_id": "r" * 257}, "request_id"),
-    ("completions", {"prompt": [True, False]}, "prompt"),  # booleans are not token ids
-    ("completions", {"stop_token_ids": [True]}, "stop_token_ids"),
+    ("completions", {"prompt": [True, False]}, "prompt[0]"),  # booleans are not token ids
+    ("completions", {"stop_token_ids": [True]}, "stop_token_ids[0]"),
 ]
 
 

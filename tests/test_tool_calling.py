@@ -14,7 +14,9 @@ import pytest
 import precache
 from precache.resources import adapter_set
 from precache.server.errors import APIError
-from precache.server.tools import TOOL_PARSERS, get_parser, tool_constraint, tool_request
+from precache.server.protocol import ChatRequest, parse_request
+from precache.server.tool_parsers import TOOL_PARSERS, get_parser
+from precache.server.tools import tool_constraint, tool_request
 from tests.test_server_support import live
 
 WEATHER = {
@@ -45,22 +47,57 @@ TIME = {
 
 
 # -- requests and parsers (no model) ------------------------------------------------------------
+def tools_of(tools, choice, parallel=None):
+    """The request's ToolRequest, read as the server reads it (the request models, then tool_request)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tool_choice": choice}
+    req = parse_request(ChatRequest, {**body, "tools": tools, "parallel_tool_calls": parallel})
+    return tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
+
+
+def _with_parameters(parameters):
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
 @pytest.mark.parametrize(
-    ("tools", "choice", "field"),
+    ("tools", "choice", "param", "code"),
     [
-        ([{"type": "function"}], "auto", "tools"),
-        ([{"type": "retrieval", "function": {"name": "x"}}], "auto", "tools"),
-        ([{"type": "function", "function": {"name": "has space"}}], "auto", "tools"),
-        ([WEATHER, WEATHER], "auto", "tools"),
-        ([WEATHER], "sometimes", "tool_choice"),
-        ([WEATHER], {"type": "function", "function": {"name": "get_time"}}, "tool_choice"),
-        (None, "required", "tool_choice"),
+        ([{"type": "function"}], "auto", "tools[0].function", "missing_required_parameter"),
+        ([{"type": "retrieval", "function": {"name": "x"}}], "auto", "tools[0].type", "invalid_value"),
+        ([{"type": "function", "function": {"name": "has space"}}], "auto", "tools[0].function.name", None),
+        ([WEATHER, WEATHER], "auto", "tools[1].function.name", "invalid_value"),
+        ([WEATHER], "sometimes", "tool_choice", "invalid_value"),
+        (
+            [WEATHER],
+            {"type": "function", "function": {"name": "get_time"}},
+            "tool_choice.function.name",
+            None,
+        ),
+        ([WEATHER], {"type": "function", "function": "get_weather"}, "tool_choice.function", "invalid_type"),
+        ([WEATHER], {"type": "function"}, "tool_choice.function", "missing_required_parameter"),
+        (None, "required", "tool_choice", "invalid_value"),
+        ([_with_parameters([])], "auto", "tools[0].function.parameters", "invalid_type"),
+        ([_with_parameters("object")], "auto", "tools[0].function.parameters", "invalid_type"),
+        ([_with_parameters({"type": "string"})], "auto", "tools[0].function.parameters", "invalid_value"),
+        (
+            [WEATHER, _with_parameters({"type": "object", "properties": 5})],
+            "required",
+            "tools[1].function.parameters",
+            "invalid_schema",
+        ),
+        (
+            [_with_parameters({"type": "object", "properties": {"u": {"$ref": "#/$defs/Missing"}}})],
+            "auto",
+            "tools[0].function.parameters",
+            "invalid_schema",
+        ),
     ],
 )
-def test_malformed_tools_and_choices_are_400s_naming_the_field(tools, choice, field):
+def test_malformed_tools_and_choices_are_400s_naming_the_path(tools, choice, param, code):
     with pytest.raises(APIError) as err:
-        tool_request(tools, choice, None)
-    assert err.value.status == 400 and err.value.param == field and err.value.code
+        tools_of(tools, choice)
+    assert err.value.status == 400 and err.value.param == param and err.value.code
+    assert code is None or err.value.code == code
+    assert err.value.message.startswith(param)
 
 
 def test_the_command_line_names_every_parser():
@@ -70,10 +107,14 @@ def test_the_command_line_names_every_parser():
 
 
 def test_tool_choice_none_and_no_tools_mean_no_tool_request():
-    assert tool_request([WEATHER], "none", None) is None
-    assert tool_request(None, None, None) is None
-    assert tool_request([WEATHER], None, None).choice == "auto"  # OpenAI's default with tools
-    named = tool_request([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, True)
+    assert tools_of([WEATHER], "none") is None
+    assert tools_of(None, None) is None
+    assert tools_of([WEATHER], None).choice == "auto"  # OpenAI's default with tools
+    assert tools_of([_with_parameters({})], None).functions[0].parameters == {
+        "type": "object",
+        "properties": {},
+    }
+    named = tools_of([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, True)
     assert (named.choice, named.function, named.parallel) == ("function", "get_time", False)
 
 
@@ -218,7 +259,7 @@ def test_every_parser_grammar_compiles_and_forces_a_call():
 
     model = precache.load_model(require_tokenizer=True)
     for name in sorted(TOOL_PARSERS):
-        spec = tool_constraint(tool_request([WEATHER, TIME], "required", True), get_parser(name))
+        spec = tool_constraint(tools_of([WEATHER, TIME], "required", True), get_parser(name))
         GrammarMatcher(model.tokenizer, model.config.vocab_size, spec)
 
 

@@ -120,6 +120,24 @@ class GrammarMatcher:
         return self.matcher.is_stopped()
 
 
+@functools.lru_cache(maxsize=256)
+def _grammar_error(spec: StructuredOutput) -> str:
+    return llguidance.LLMatcher.validate_grammar(grammar_of(spec))
+
+
+def validate_structured_output(spec: StructuredOutput) -> None:
+    """Refuse a constraint that does not compile, without a tokenizer (llguidance's own grammar
+    check; a JSON schema's ``$ref`` that points nowhere is caught here too). Cheap enough for every
+    tool schema of every request (results are cached per spec).
+
+    Raises:
+        StructuredOutputError: with the reason.
+    """
+    error = _grammar_error(spec)
+    if error:
+        raise StructuredOutputError(f"structured_output {spec.kind}: {error.strip()}")
+
+
 def check_structured_output(engine, spec: StructuredOutput) -> None:
     """Refuse a constraint that does not compile for ``engine``'s tokenizer, before anything runs.
 

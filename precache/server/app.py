@@ -50,7 +50,8 @@ from precache.server.protocol import (
 )
 from precache.server.responses import Renderer, sse
 from precache.server.tenants import Tenants
-from precache.server.tools import get_parser, tool_constraint, tool_request
+from precache.server.tool_parsers import get_parser
+from precache.server.tools import tool_constraint, tool_request
 
 logger = logging.getLogger(__name__)
 
@@ -203,21 +204,21 @@ class _Api:
             check_room(body, len(ids), params.max_new_tokens, self.engine.max_context)
         check_token_ids(params, self.engine.model.config.vocab_size)
         constraint = tool_constraint(tools, self.tool_parser) if tools is not None else None
+        if constraint is not None and params.structured_output is not None:
+            raise APIError(
+                400,
+                "tool_choice: a required or named tool call cannot be combined with a structured-output "
+                "constraint",
+                "tool_choice",
+                "invalid_value",
+            )
         if constraint is not None:
-            if params.structured_output is not None:
-                raise APIError(
-                    400,
-                    "tool_choice: a required or named tool call cannot be combined with a structured-output "
-                    "constraint",
-                    "tool_choice",
-                    "invalid_value",
-                )
             params = dataclasses.replace(params, structured_output=constraint)
-        elif params.structured_output is not None:
+        if params.structured_output is not None:  # compiled before anything is queued or sent
             try:
                 check_structured_output(self.engine, params.structured_output)
             except StructuredOutputError as exc:
-                field = next(f for f in STRUCTURED_FIELDS if getattr(body, f, None) is not None)
+                field = "tool_choice" if constraint is not None else _structured_field(body)
                 raise APIError(400, f"{field}: {exc}", field, "invalid_value") from None
         tenant = Tenants.tenant(key, body.cache_salt)
         group = JobGroup(
@@ -238,7 +239,7 @@ class _Api:
             request_id=body.request_id,
             choices_per_prompt=params.n,
             tool_parser=self.tool_parser if tools is not None else None,
-            parallel_tool_calls=tools.parallel if tools is not None else True,
+            tools=tools,
         )
         return group, renderer
 
@@ -339,6 +340,11 @@ class _Api:
             self._cancel(job)  # the request's other prompts, if any, stop too
             raise APIError(final.status, final.message, code=final.code)
         return renderer.body(final)
+
+
+def _structured_field(body) -> str:
+    """The request field that carries its structured-output constraint."""
+    return next(f for f in STRUCTURED_FIELDS if getattr(body, f, None) is not None)
 
 
 async def _disconnected(request: Request) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024**2  # 4 MiB: far more than any prompt within the context
-#: the tool-call formats (:data:`precache.server.tools.TOOL_PARSERS`; named here so the command
+#: the tool-call formats (:data:`precache.server.tool_parsers.TOOL_PARSERS`; named here so the command
 #: line needs no web framework)
 TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
 
@@ -30,7 +30,7 @@ class ServerConfig:
     (:mod:`precache.server.adapters`; off: those routes do not exist, as in vLLM).
 
     ``tool_call_parser``: the format of tool calls in the model's answers
-    (:data:`~precache.server.tools.TOOL_PARSERS`: ``hermes``, ``llama3_json``, ``mistral``).
+    (:data:`~precache.server.tool_parsers.TOOL_PARSERS`: ``hermes``, ``llama3_json``, ``mistral``).
 
     Slow and stalled clients (README.md, "Security"): ``stream_buffer_events``: events (tokens,
     turns) a request may have waiting for its client; past it the request is held out of the

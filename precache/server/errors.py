@@ -58,28 +58,62 @@ def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(error_body(exc.status, exc.message, exc.param, exc.code), status_code=exc.status)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    if first.get("type") == "json_invalid":
-        return (
-            f"malformed JSON body: {first.get('ctx', {}).get('error', 'cannot parse')}",
-            None,
-            "invalid_json",
-        )
+#: the ``loc`` entries of a pydantic error that name a member of a union, not a field: the member's
+#: type (``str``, ``list[int]``, ``literal['none','auto']``, ``function-after[...]``) or model class
+_PRIMITIVE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list", "bytes"})
+
+
+def _is_union_tag(part: object) -> bool:
+    return isinstance(part, str) and ("[" in part or part in _PRIMITIVE_TAGS or part[:1].isupper())
+
+
+def field_path(loc: tuple | list) -> str:
+    """The path of a pydantic error's ``loc`` as a client spells it: ``messages[2].tool_calls[0]
+    .function`` (the leading ``body`` and union members dropped; "" for the whole body)."""
+    path = ""
+    for i, part in enumerate(loc):
+        if (i == 0 and part == "body") or _is_union_tag(part):
+            continue
+        path += f"[{part}]" if isinstance(part, int) else f"{'.' if path else ''}{part}"
+    return path
+
+
+def _code(kind: str) -> str:
+    if kind == "missing":
+        return "missing_required_parameter"
+    if kind == "extra_forbidden":
+        return "unknown_parameter"
+    if kind.endswith(("_type", "_parsing")):
+        return "invalid_type"
+    return "invalid_value"
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """The 400 of a body that does not fit the request models (pydantic's ``errors()``): of the
+    errors (one per union member tried), the one whose path goes deepest (the member the client
+    meant), with ``param`` = its :func:`field_path` and a ``code``: ``missing_required_parameter``,
+    ``unknown_parameter``, ``invalid_type`` or ``invalid_value`` (``invalid_json``: not JSON)."""
+    if not errors:
+        return APIError(400, "invalid request", None, "invalid_value")
+    first = max(errors, key=lambda e: len([p for p in e.get("loc", ()) if not _is_union_tag(p)]))
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        reason = first.get("ctx", {}).get("error", "cannot parse")
+        return APIError(400, f"malformed JSON body: {reason}", None, "invalid_json")
     raw = first.get("input")
-    if first.get("loc") == ("body",) and isinstance(raw, bytes | str):  # no JSON content-type
+    if tuple(first.get("loc", ())) == ("body",) and isinstance(raw, bytes | str):  # no JSON content-type
         try:
             json.loads(raw)
         except ValueError as exc:
-            return f"malformed JSON body: {exc}", None, "invalid_json"
-        return "send the body as JSON (content-type: application/json)", None, "invalid_json"
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = (
-        loc[0] if loc else None
-    )  # the request field (the path below it, e.g. a union member, is in the message)
-    where = f"{'.'.join(loc)}: " if loc else ""
-    return f"{where}{first.get('msg', 'invalid request')}", param, "invalid_value"
+            return APIError(400, f"malformed JSON body: {exc}", None, "invalid_json")
+        return APIError(400, "send the body as JSON (content-type: application/json)", None, "invalid_json")
+    path = field_path(first.get("loc", ()))
+    message = first.get("msg", "invalid value")
+    if not path and kind == "missing":
+        message = "send a JSON object as the body"
+    elif kind in ("model_type", "model_attributes_type", "dict_type"):
+        message = "Input should be a JSON object"
+    return APIError(400, f"{path}: {message}" if path else message, path or None, _code(kind))
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -92,8 +126,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
-        message, param, code = _validation_message(exc)
-        return JSONResponse(error_body(400, message, param, code), status_code=400)
+        return error_response(validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):

@@ -7,14 +7,8 @@ from typing import Literal
 
 from precache.server.errors import APIError
 from precache.server.protocol import MAX_N, ChatRequest, CompletionRequest
-from precache.server.tools import (
-    ToolParser,
-    ToolRequest,
-    get_parser,
-    renders_tools,
-    tool_messages,
-    tool_request,
-)
+from precache.server.tool_parsers import ToolParser, get_parser
+from precache.server.tools import ToolRequest, renders_tools, tool_messages, tool_request
 
 
 def completion_prompts(req: CompletionRequest, codec, vocab_size: int) -> list[list[int]]:

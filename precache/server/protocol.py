@@ -11,16 +11,25 @@ supports and refuses", lists every field.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
-from typing import Any, Literal
+from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, StrictInt
+from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
 from precache.config import SamplingParams, StructuredOutput
-from precache.server.errors import APIError, quote
+from precache.server.errors import APIError, quote, validation_error
 from precache.server.fields import IGNORED, REFUSED
+from precache.server.shapes import (
+    ChatMessage,
+    Regex,
+    ResponseFormat,
+    StructuredOutputs,
+    Tool,
+    ToolChoice,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +79,14 @@ class _GenerationRequest(BaseModel):
     spaces_between_special_tokens: bool = True
     request_id: str | None = None
     cache_salt: str | None = None
-    response_format: dict[str, Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    tool_choice: ToolChoice | None = None
     # vLLM's structured outputs (the older guided_* fields and the newer structured_outputs object)
     guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
+    guided_regex: Regex | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    structured_outputs: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def top_logprobs_asked(self) -> int | None:
         """How many top log-probabilities each token returns (None: no logprobs)."""
@@ -96,20 +105,6 @@ class CompletionRequest(_GenerationRequest):
         return self.logprobs
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: Literal["system", "user", "assistant", "tool", "developer", "function"]
-    content: str | list[ContentPart] | None = None
-
-
 class ChatRequest(_GenerationRequest):
     """``/v1/chat/completions``: ``messages`` rendered by the tokenizer's chat template, with vLLM's
     template options."""
@@ -124,11 +119,28 @@ class ChatRequest(_GenerationRequest):
     add_special_tokens: bool = False
     documents: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
     parallel_tool_calls: bool | None = None
 
     def top_logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+_Request = TypeVar("_Request", bound=_GenerationRequest)
+
+
+def parse_request(cls: type[_Request], body: Any) -> _Request:
+    """``body`` (plain JSON data) as request model ``cls`` (:class:`ChatRequest`,
+    :class:`CompletionRequest`), as the routes read it.
+
+    Raises:
+        APIError: 400 whose ``param`` is the path of the field at fault
+            (:func:`~precache.server.errors.validation_error`).
+    """
+    try:
+        return cls.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
 
 
 def _refuse(param: str, message: str, code: str = "unsupported_parameter") -> APIError:
@@ -316,62 +328,61 @@ def structured_output(req: _GenerationRequest) -> StructuredOutput | None:
     """The request's one structured-output constraint: OpenAI's ``response_format`` (``json_object``,
     ``json_schema``) or vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
     ``guided_grammar`` / ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``,
-    ``json_object``); None when it has none.
+    ``json_object``); None when it has none. The shapes are already checked (the request models).
 
     Raises:
-        APIError: 400 naming the field: two constraints, an unknown type, or a malformed value.
+        APIError: 400 naming the field: two constraints, or a value no constraint can be built from.
     """
     found: list[tuple[str, StructuredOutput]] = []
     fmt = req.response_format
-    if fmt is not None:
-        kind = fmt.get("type")
-        if kind == "json_object":
-            found.append(("response_format", StructuredOutput.json_object()))
-        elif kind == "json_schema":
-            schema = (fmt.get("json_schema") or {}).get("schema")
-            if not isinstance(schema, dict):
-                raise _refuse(
-                    "response_format", "json_schema needs a json_schema.schema object", "invalid_value"
-                )
-            found.append(("response_format", StructuredOutput.json_schema(schema)))
-        elif kind != "text":
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("response_format", StructuredOutput.json_object()))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
             raise _refuse(
-                "response_format", f"type must be text, json_object or json_schema, got {quote(kind)}"
+                "response_format.json_schema",
+                "type json_schema needs json_schema with its schema",
+                "missing_required_parameter",
             )
+        found.append(("response_format", StructuredOutput.json_schema(fmt.json_schema.json_schema)))
+    vllm = req.structured_outputs.model_dump(by_alias=True) if req.structured_outputs else {}
     guided = {
-        "guided_json": req.guided_json,
-        "guided_regex": req.guided_regex,
-        "guided_choice": req.guided_choice,
-        "guided_grammar": req.guided_grammar,
+        "guided_json": ("json", req.guided_json),
+        "guided_regex": ("regex", req.guided_regex),
+        "guided_choice": ("choice", req.guided_choice),
+        "guided_grammar": ("grammar", req.guided_grammar),
+        **{f"structured_outputs.{key}": (key, value) for key, value in vllm.items()},
     }
-    for key, value in (req.structured_outputs or {}).items():
-        if key not in ("json", "regex", "choice", "grammar", "json_object"):
-            raise _refuse("structured_outputs", f"unknown or unsupported key {quote(key)}")
-        guided[f"structured_outputs.{key}"] = value
-    for name, value in guided.items():
+    for name, (kind, value) in guided.items():
         if value is None or value is False:
             continue
-        kind = name.rsplit("_", 1)[-1] if name.startswith("guided") else name.split(".", 1)[1]
         try:
-            if kind == "json" and not isinstance(value, dict | str):
-                raise ValueError("must be a JSON schema (an object or its JSON text)")
-            spec = {
-                "json": lambda v: StructuredOutput.json_schema(v),
-                "object": lambda v: StructuredOutput.json_object(),
-                "regex": lambda v: StructuredOutput.regex(str(v)),
-                "choice": lambda v: StructuredOutput.choice(list(v)),
-                "grammar": lambda v: StructuredOutput.grammar(str(v)),
-            }[kind.removeprefix("json_")](value)
+            found.append((name.split(".", 1)[0], _constraint(kind, value)))
         except (ValueError, TypeError) as exc:
-            field = name.split(".", 1)[0]
-            raise _refuse(field, f"{name}: {exc}", "invalid_value") from None
-        found.append((name.split(".", 1)[0], spec))
+            raise _refuse(name, f"{name}: {exc}", "invalid_value") from None
     if len(found) > 1:
         names = ", ".join(sorted({n for n, _ in found}))
         raise _refuse(
             found[1][0], f"one structured-output constraint per request, got {names}", "invalid_value"
         )
     return found[0][1] if found else None
+
+
+def _constraint(kind: str, value: Any) -> StructuredOutput:
+    """A vLLM structured-output field's constraint (``kind``: json, regex, choice, grammar or
+    json_object). Raises ValueError: JSON text that is not an object, an empty choice."""
+    if kind == "json" and isinstance(value, str):
+        schema = json.loads(value)  # a JSONDecodeError is a ValueError
+        if not isinstance(schema, dict):
+            raise ValueError("the JSON schema must be an object")
+        return StructuredOutput.json_schema(schema)
+    return {
+        "json": StructuredOutput.json_schema,
+        "json_object": lambda _: StructuredOutput.json_object(),
+        "regex": StructuredOutput.regex,
+        "choice": StructuredOutput.choice,
+        "grammar": StructuredOutput.grammar,
+    }[kind](value)
 
 
 def check_prompt(ids: list[int], max_context: int) -> None:

@@ -14,7 +14,8 @@ import uuid
 
 from precache.engine.request import TokenLogprob, Turn
 from precache.server.jobs import finish_reason
-from precache.server.tools import ToolParser
+from precache.server.tool_parsers import ToolParser
+from precache.server.tools import ToolRequest
 
 
 def sse(obj: dict | str) -> str:
@@ -37,6 +38,16 @@ def usage(turns: list[Turn], per_prompt: int | None = None) -> dict:
     }
 
 
+def _finish_reason(turn: Turn, calls: list, tools: ToolRequest | None) -> str:
+    """OpenAI's: ``length`` when ``max_tokens`` ended the answer (complete calls before a cut one
+    are still returned); ``tool_calls`` when it holds calls, except for a named ``tool_choice``,
+    which ends with ``stop`` (as OpenAI and vLLM); else ``stop``."""
+    reason = finish_reason(turn)
+    if reason == "length" or not calls or (tools is not None and tools.choice == "function"):
+        return reason
+    return "tool_calls"
+
+
 class Renderer:
     """Bodies of one response: ``kind`` is ``"chat"`` or ``"completion"``; ``model`` the name the
     client asked for; ``codec`` turns token ids into the strings of log-probabilities
@@ -57,7 +68,7 @@ class Renderer:
         request_id: str | None = None,
         choices_per_prompt: int | None = None,
         tool_parser: ToolParser | None = None,
-        parallel_tool_calls: bool = True,
+        tools: ToolRequest | None = None,
     ):
         self.kind, self.model, self.prompt_ids, self.codec = kind, model, prompt_ids, codec
         self.return_token_ids, self.tokens_as_ids, self.echo = return_token_ids, tokens_as_ids, echo
@@ -66,7 +77,7 @@ class Renderer:
         self._offsets: dict[int, int] = {}  # completion text offset per choice, for streamed logprobs
         self.per_prompt = choices_per_prompt  # several prompts: choices i*n .. i*n+n-1 answer prompt i
         self.tool_parser = tool_parser  # tools may be called: answers are parsed, streams held back
-        self.parallel_tool_calls = parallel_tool_calls  # False: the first call only (vLLM's rule)
+        self.tools = tools
 
     def _head(self, chunk: bool) -> dict:
         if self.kind == "chat":
@@ -113,9 +124,10 @@ class Renderer:
         calls: list = []
         if self.kind == "chat" and self.tool_parser is not None and turn is not None:
             # the whole answer: its text outside the calls, and the calls (a stream sends them once)
-            content, calls = self.tool_parser.parse(turn.text)
-            if not self.parallel_tool_calls:
-                calls = calls[:1]
+            choice_kind = self.tools.choice if self.tools is not None else "auto"
+            content, calls = self.tool_parser.parse(turn.text, forced=choice_kind != "auto")
+            if self.tools is not None and not self.tools.parallel:
+                calls = calls[:1]  # vLLM's rule: the first call only
             if chunk:  # the stream's first chunk carried the echo
                 delta = {} if content is None else {"content": content}
                 if calls:
@@ -132,7 +144,7 @@ class Renderer:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text or ""
-        reason = ("tool_calls" if calls else finish_reason(turn)) if turn is not None else None
+        reason = None if turn is None else _finish_reason(turn, calls, self.tools)
         choice.update(logprobs=logprobs, finish_reason=reason)
         if turn is not None:
             choice["stop_reason"] = turn.matched_stop  # vLLM's: the stop string or token id, or None
