@@ -5,17 +5,24 @@ streamed or not; tool_choice none keeps the tools out of the prompt."""
 
 from __future__ import annotations
 
+import enum
 import json
 
 import httpx
 import jsonschema
+import openai
 import pytest
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from pydantic import BaseModel, Field
 
 import precache
+from precache.engine.outputs import Turn
+from precache.engine.structured import validate_structured_output
 from precache.resources import adapter_set
 from precache.server.errors import APIError
 from precache.server.protocol import ChatRequest, parse_request
-from precache.server.tool_parsers import TOOL_PARSERS, get_parser
+from precache.server.responses import Renderer
+from precache.server.tool_parsers import TOOL_PARSERS, Function, get_parser, lift_definitions
 from precache.server.tools import tool_constraint, tool_request
 from tests.test_server_support import live
 
@@ -278,3 +285,188 @@ def test_parallel_tool_calls_false_answers_one_call(served):
     calls = got.choices[0].message.tool_calls
     assert len(calls) == 1  # the constraint allows one call, and the answer keeps the first only
     _check_call(calls[0], WEATHER if calls[0].function.name == "get_weather" else TIME)
+
+
+# -- tools as the clients write them: $defs lifted to the top of the call schema -----------------
+class Unit(enum.StrEnum):
+    CELSIUS = "celsius"
+    FAHRENHEIT = "fahrenheit"
+
+
+class Place(BaseModel):
+    city: str = Field(max_length=20)
+    country: str | None = None
+
+
+class GetWeather(BaseModel):
+    """The weather at a place."""
+
+    place: Place
+    unit: Unit
+    days: int | None = None
+
+
+class Tree(BaseModel):
+    label: str = Field(max_length=8)
+    children: list[Tree] = Field(max_length=2)
+
+
+def _other_unit_tool() -> dict:
+    """A second tool whose ``$defs`` also holds a ``Unit``, a different one."""
+    return {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "$defs": {"Unit": {"enum": ["s", "ms"]}},
+                "properties": {"unit": {"$ref": "#/$defs/Unit"}},
+                "required": ["unit"],
+            },
+        },
+    }
+
+
+def test_the_openai_sdk_tool_has_its_defs_lifted_and_refs_kept():
+    tool = openai.pydantic_function_tool(GetWeather)
+    assert tool["function"]["parameters"]["properties"]["unit"] == {
+        "$ref": "#/$defs/Unit"
+    }  # what the SDK emits
+    functions = tools_of([tool], "required").functions
+    (arguments,), defs = lift_definitions(list(functions))
+    assert set(defs) == {"Place", "Unit"} and defs["Unit"]["enum"] == ["celsius", "fahrenheit"]
+    assert "$defs" not in arguments and arguments["properties"]["unit"] == {"$ref": "#/$defs/Unit"}
+
+
+def test_clashing_def_names_are_renamed_and_a_root_reference_is_lifted():
+    functions = list(
+        tools_of([openai.pydantic_function_tool(GetWeather), _other_unit_tool()], "required").functions
+    )
+    (weather, time_args), defs = lift_definitions(functions)
+    assert defs["Unit"]["enum"] == ["celsius", "fahrenheit"] and defs["get_time.Unit"] == {
+        "enum": ["s", "ms"]
+    }
+    assert time_args["properties"]["unit"] == {"$ref": "#/$defs/get_time.Unit"}
+    recursive = Function("walk", "", {"type": "object", "properties": {"next": {"$ref": "#"}}})
+    (args,), defs = lift_definitions([recursive])
+    assert args == {"$ref": "#/$defs/walk.parameters"}
+    assert defs["walk.parameters"]["properties"]["next"] == {"$ref": "#/$defs/walk.parameters"}
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    model = precache.load_model(require_tokenizer=True)
+    return model.tokenizer, model.config.vocab_size
+
+
+def _accepts(spec, tokenizer_vocab, text: str) -> bool:
+    from precache.engine.structured import GrammarMatcher
+
+    tokenizer, vocab = tokenizer_vocab
+    matcher = GrammarMatcher(tokenizer, vocab, spec).matcher
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return matcher.validate_tokens(ids) == len(ids)
+
+
+CLIENT_TOOLS = {
+    "openai": lambda: openai.pydantic_function_tool(GetWeather),
+    "langchain": lambda: convert_to_openai_tool(GetWeather),
+}
+WEATHER_ARGS = {"place": {"city": "Oslo", "country": None}, "unit": "celsius", "days": None}
+
+
+@pytest.mark.parametrize("client", sorted(CLIENT_TOOLS))
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+def test_client_tools_with_enums_and_nested_models_can_be_forced(smol_tokenizer, client, name):
+    parser = get_parser(name)
+    tool = CLIENT_TOOLS[client]()
+    for choice in ("required", {"type": "function", "function": {"name": "GetWeather"}}):
+        spec = tool_constraint(tools_of([tool, TIME], choice), parser)
+        validate_structured_output(spec)  # compiles: every $ref resolves
+        call = [{"function": {"name": "GetWeather", "arguments": json.dumps(WEATHER_ARGS)}}]
+        good = parser.write(call)
+        bad = good.replace("celsius", "kelvin")  # not in the Enum
+        layout = good.replace(", ", ",").replace(": ", ":")  # the grammar's JSON has no free whitespace
+        assert _accepts(spec, smol_tokenizer, good) or _accepts(spec, smol_tokenizer, layout)
+        assert not _accepts(spec, smol_tokenizer, bad) and not _accepts(
+            spec, smol_tokenizer, bad.replace(", ", ",")
+        )
+
+
+def test_a_recursive_model_from_the_openai_sdk_can_be_forced():
+    spec = tool_constraint(tools_of([openai.pydantic_function_tool(Tree)], "required"), get_parser("hermes"))
+    validate_structured_output(spec)
+    assert '"$ref": "#/$defs/Tree"' in spec.spec
+
+
+# -- parsers never split or stop inside a JSON string -------------------------------------------
+def test_llama3_json_keeps_a_semicolon_inside_an_argument():
+    parser = get_parser("llama3_json")
+    one = '{"name": "run_sql", "parameters": {"query": "SELECT 1; SELECT 2"}}'
+    content, calls = parser.parse(one)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("run_sql", {"query": "SELECT 1; SELECT 2"})
+    ]
+    content, calls = parser.parse(f'<|python_tag|>{one}; {{"name": "ls", "parameters": {{"dir": "a;b"}}}}')
+    assert [json.loads(c.arguments) for c in calls] == [{"query": "SELECT 1; SELECT 2"}, {"dir": "a;b"}]
+    assert parser.parse(f"{one} and more") == (f"{one} and more", [])  # not only calls: content
+
+
+def test_hermes_keeps_a_closing_tag_inside_an_argument():
+    parser = get_parser("hermes")
+    text = '<tool_call>\n{"name": "echo", "arguments": {"text": "a </tool_call> b"}}\n</tool_call>'
+    content, calls = parser.parse(text)
+    assert content is None and json.loads(calls[0].arguments) == {"text": "a </tool_call> b"}
+    two = f"Sure.\n{text}\n{text.replace('echo', 'say')}"
+    content, calls = parser.parse(two)
+    assert content == "Sure." and [c.name for c in calls] == ["echo", "say"]
+
+
+def _cut_answer(name: str) -> tuple[str, list]:
+    parser = get_parser(name)
+    calls = [
+        {"function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"function": {"name": "get_time", "arguments": '{"tz": "CET"}'}},
+    ]
+    whole = parser.write(calls)
+    return whole[: whole.rindex("CET")], calls  # max_tokens ran out inside the second call
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+def test_a_forced_answer_keeps_its_complete_calls_when_the_last_is_cut(name):
+    parser = get_parser(name)
+    cut, _ = _cut_answer(name)
+    content, calls = parser.parse(cut, forced=True)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    assert parser.parse(cut) == (cut, [])  # auto: a cut call makes the answer content, as vLLM
+    assert parser.parse(cut[:10], forced=True) == (cut[:10], [])  # no complete call: the text is content
+
+
+# -- finish reasons as OpenAI defines them ------------------------------------------------------
+def _rendered(text: str, stop_reason: str, tools, parser: str = "hermes") -> dict:
+    turn = Turn(agent=None, token_ids=[5, 6], text=text, stop_reason=stop_reason)
+    renderer = Renderer("chat", "m", [1], codec=None, tool_parser=get_parser(parser), tools=tools)
+    return renderer.body([turn])["choices"][0]
+
+
+def test_finish_reasons_for_auto_required_named_and_cut_calls():
+    call = get_parser("hermes").write([{"function": {"name": "get_time", "arguments": '{"tz": "CET"}'}}])
+    required, named = (
+        tools_of([WEATHER, TIME], "required"),
+        tools_of([TIME], {"type": "function", "function": {"name": "get_time"}}),
+    )
+    assert _rendered(call, "stop", tools_of([TIME], "auto"))["finish_reason"] == "tool_calls"
+    assert _rendered("It is noon.", "eos", tools_of([TIME], "auto"))["finish_reason"] == "stop"
+    assert _rendered(call, "stop", required)["finish_reason"] == "tool_calls"
+    choice = _rendered(call, "stop", named)
+    assert (
+        choice["finish_reason"] == "stop"
+        and choice["message"]["tool_calls"][0]["function"]["name"] == "get_time"
+    )
+    for name in sorted(TOOL_PARSERS):
+        cut, _ = _cut_answer(name)
+        choice = _rendered(cut, "length", required, name)
+        assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+        assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
