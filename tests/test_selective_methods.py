@@ -267,7 +267,9 @@ def test_prefill_tokens_count_the_token_layers_the_forward_ran(tiny, monkeypatch
 
 @pytest.mark.parametrize("method", SELECTIVE_METHODS)
 def test_concurrent_sessions_equal_sequential_ones(tiny, method):
-    """Three 3-agent trajectories batched by Engine.run_concurrently give the sequential logits."""
+    """Three 3-agent trajectories batched by Engine.run_concurrently give the sequential logits (on
+    a second engine: on the first, the views published by the sequential runs would be reused, and
+    a recompute that starts later selects among fewer tokens)."""
     model, dirs, _ = tiny
     engine = make_engine(model, dirs, method)
 
@@ -282,6 +284,7 @@ def test_concurrent_sessions_equal_sequential_ones(tiny, method):
         return out
 
     alone = [trajectory(seed) for seed in (1, 2, 3)]
+    engine = make_engine(model, dirs, method)
     batched = engine.run_concurrently(trajectory, (1, 2, 3), concurrency=3)
     for a, b in zip(alone, batched, strict=True):
         for (ids_a, logits_a), (ids_b, logits_b) in zip(a, b, strict=True):

@@ -15,10 +15,21 @@ which layer; what it writes lands in c's view only (copy-on-write), never in the
 turn's new tokens are written to both (they are c's own, as under FullShared) and read c's view, so
 at every layer they attend to the blended cache. No token-layer is recomputed twice by one agent.
 
+Cross-trajectory prefix reuse (:mod:`precache.cache.prefix`): the shared cache's full blocks and
+each agent's view's are published, the views keyed by agent and adapter load as NonShared keys its
+caches; a new trajectory takes back the shared cache's blocks and the agent's own view's for its
+token prefix, so a prompt an agent blended in another trajectory is not recomputed again (without
+the view's blocks every agent's first turn recomputed the whole reused prefix, which NonShared
+takes back from its own cache: DroidSpeak, recomputing 24 of 30 layers, then prefilled more than
+NonShared, issue 36). A reused view block holds what that agent's view held over those tokens,
+whoever authored them there, as a reused shared block holds its author's entries.
+
 Prefill cost: the recompute row counts its token-layers over the layer count
 (:meth:`~precache.cache.plan.Recompute.cost`), in the turn's ``prefill_tokens`` and its TTFT; with
-rho = 1 over every layer each turn is NonShared's. Memory: the shared cache plus each agent's view,
-whose blocks are the shared cache's until the recompute row or the agent's own tokens write them.
+rho = 1 over every layer each turn is NonShared's, and no turn prefills more than NonShared's (the
+view starts where NonShared's cache of the agent starts: tests/test_selective_prefill_bound.py).
+Memory: the shared cache plus each agent's view, whose blocks are the shared cache's until the
+recompute row or the agent's own tokens write them.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from precache.cache.pool import PagedStore
+from precache.cache.prefix import PrefixChain, attach
 from precache.cache.rowplan import FullWrite, Recompute, RowPlan, View
 from precache.cache.views import materialise_view
 from precache.methods.base import CacheState
@@ -46,9 +58,19 @@ class SelectiveState(CacheState):
     recompute_start: int = 0
 
 
+_VIEW = "view:"
+_BASE = "<base>"
+
+
 def view_key(agent: str | None) -> str:
     """The key of ``agent``'s blended view in :attr:`CacheState.full` (``None``: the base model)."""
-    return f"view:{'<base>' if agent is None else agent}"
+    return f"{_VIEW}{_BASE if agent is None else agent}"
+
+
+def view_chain_key(agent: str | None, uid: int | None) -> str:
+    """The prefix-chain key of ``agent``'s view under adapter load ``uid``: a view is reused only
+    by the same load of the same adapter (as NonShared's caches are)."""
+    return view_key(None) if agent is None else f"{view_key(agent)}#{uid}"
 
 
 def extend_view(view: PagedStore, shared: PagedStore, end: int) -> int:
@@ -79,6 +101,26 @@ def extend_view(view: PagedStore, shared: PagedStore, end: int) -> int:
         view.blocks.append(block)
     view.commit(end)
     return start
+
+
+def take_back_partial_block(store: PagedStore, chain: PrefixChain, token_ids: list[int]) -> None:
+    """Let :func:`~precache.cache.prefix.attach` go on from a committed length inside a block: the
+    store's partly filled last block gives way to the block published for the same token prefix
+    (same tokens, whose entries there are the publisher's, as any reused block's are), when that
+    block is not the one holding the last token. Between turns only. Without it, the turn after a
+    turn whose tokens a sibling trajectory also generated prefills the block's last tokens that
+    NonShared takes back from the agent's own published cache."""
+    bs, alloc = store.pool.block_size, store.pool.allocator
+    k, filled = divmod(store.length - store.offset, bs)
+    if store.offset or not filled or len(store.blocks) != k + 1 or k >= (len(token_ids) - 1) // bs:
+        return
+    block = alloc.lookup(chain.extend(token_ids, k + 1, bs)[k])
+    if block is None:
+        return
+    alloc.hold(block)  # before the release: the partial block may be the published one itself
+    alloc.release(store.blocks[k])
+    store.blocks[k] = block
+    store.commit((k + 1) * bs)
 
 
 def check_fraction(rho: float, what: str = "rho") -> float:
@@ -141,11 +183,33 @@ class SelectiveRecompute(FullShared):
     def fork_extra(self, state: SelectiveState, length: int) -> dict:
         return {"token_ids": state.token_ids[:length], "recompute_start": min(state.recompute_start, length)}
 
+    def prefix_stores(self, state: SelectiveState) -> dict[str, PagedStore]:
+        """The shared cache under ``"shared"`` and each agent's view under :func:`view_chain_key`."""
+        out = {"shared": state.full["shared"]}
+        for key, store in state.full.items():
+            if key.startswith(_VIEW):
+                agent = key.removeprefix(_VIEW)
+                agent = None if agent == _BASE else agent
+                out[view_chain_key(agent, state.uids.get(agent))] = store
+        return out
+
     def reuse_prefix(self, state: SelectiveState, agent: str | None, token_ids: list[int]) -> int:
-        """As :meth:`SharingMethod.reuse_prefix`; also records the trajectory's token ids, which the
-        turn's recompute row re-reads (the turn protocol opens every turn through here)."""
+        """As :meth:`SharingMethod.reuse_prefix` for the shared cache, then the agent's view takes
+        back its own published blocks for the same token prefix, never past the shared cache (the
+        recompute row then starts where they end). Also records the trajectory's token ids, which
+        the turn's recompute row re-reads (the turn protocol opens every turn through here)."""
         state.token_ids = list(token_ids)
-        return super().reuse_prefix(state, agent, token_ids)
+        shared, usable = state.full["shared"], self.prefix_caching and state.turn_start is None
+        if usable:
+            chain = state.prefix.setdefault("shared", PrefixChain("shared", salt=state.salt))
+            take_back_partial_block(shared, chain, token_ids)
+        start = super().reuse_prefix(state, agent, token_ids)
+        if usable:
+            view = state.full.setdefault(view_key(agent), self.new_kv_store())
+            key = view_chain_key(agent, self.adapter_uid.get(agent))
+            attach(view, state.prefix.setdefault(key, PrefixChain(key, salt=state.salt)), token_ids)
+            view.truncate(shared.length)
+        return start
 
     def check_fits(self, state: CacheState, n_tokens: int, choices: int = 1) -> None:
         """Refuse a turn that could never fit: the shared cache and the agent's view over the
