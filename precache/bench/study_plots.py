@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from precache.bench.plots import plt, save_figure
+from precache.bench.study_uncertainty import uncertainty_markdown
 
 HIDDEN_LABELS = {"neutral": "||h^0 - h^c|| / ||h^c||", "previous": "||h^p - h^c|| / ||h^c||"}
 
@@ -69,6 +70,7 @@ def study_markdown(results: dict) -> str:
             kv = row.get("kv_bytes")
             row = {**row, "kv_mib": None if kv is None else kv / 2**20}
             lines.append(f"| {method} | " + " | ".join(_fmt(row[c]) for c in cols) + " |")
+        lines += uncertainty_markdown(run)
         lines += [
             "",
             "Teacher-forced, per reading agent (KL in nats; K error of the view over the agent's own "

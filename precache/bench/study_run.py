@@ -22,6 +22,7 @@ from precache.bench.fidelity import REFERENCE, compare_trajectory
 from precache.bench.study_figure2 import summarize_transitions, trajectory_transitions
 from precache.bench.study_stats import paired, question_record, rebase_beats, table
 from precache.bench.study_store import PointStore, adapters_fingerprint, revision
+from precache.bench.study_uncertainty import uncertainty
 from precache.engine.concurrency import run_concurrently
 
 logger = logging.getLogger(__name__)
@@ -270,7 +271,8 @@ def run_study(
     The table and Figure 2 run at scale 1 with ``methods`` (NonShared first) on ``questions``;
     each scale of ``scales`` runs :data:`SWEEP_METHODS` among ``methods`` on adapters scaled by it
     (:func:`scaled_adapter`; scale 1 is the table's run) on the first ``sweep_limit`` questions
-    (default: all). Returns ``{"questions", "sweep_questions", "table", "paired", "figure2",
+    (default: all). Returns ``{"questions", "sweep_questions", "table", "uncertainty"
+    (:func:`~precache.bench.study_uncertainty.uncertainty`), "paired", "figure2",
     "sweep": {scale: {"methods": {method: row}, "rebase_beats": {measure: bool}, "paired"}}}``
     (``paired``: ReBaseShared-LP against PreLRShared question by question,
     :func:`~precache.bench.study_stats.paired`; ``paired_own``: ReBaseOwnShared-LP against each of
@@ -308,6 +310,7 @@ def run_study(
         "questions": len(questions),
         "sweep_questions": len(sweep_questions),
         "table": table(main, benchmark, methods),
+        "uncertainty": uncertainty(main, methods, benchmark.metrics),
         "paired": paired(main, "rebaseshared-lp", "prelrshared", benchmark),
         "paired_own": {
             other: paired(main, "rebaseownshared-lp", other, benchmark)
