@@ -45,23 +45,33 @@ DTYPES = ("float32", "bfloat16")
 
 #: ``--quantization``: ``precache.models.quant.QUANTIZATIONS`` (spelled here: the parser needs no torch)
 QUANTIZATIONS = ("int8",)
+#: ``--kv-cache-dtype``: "auto" and ``precache.models.quant.KV_CACHE_DTYPES``' long names
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
     """``--dtype float32 | bfloat16`` (default: ``precache.load_model``'s, bfloat16 on CUDA and
-    float32 on a CPU), ``--quantization int8`` (int8 weight-only on a CPU) and ``--eager`` (no
-    compiled decode step); README, "Precision on CPU" and "Compiled decode"."""
+    float32 on a CPU), ``--quantization int8`` (int8 weight-only on a CPU), ``--kv-cache-dtype``
+    (the block pool's dtype) and ``--eager`` (no compiled decode step); README, "Precision on
+    CPU", "KV-cache dtype" and "Compiled decode"."""
     parser.add_argument(
         "--dtype",
         choices=DTYPES,
         default=None,
-        help="weights, compute and KV caches (default: bfloat16 on CUDA, float32 on CPU)",
+        help="weights, compute and (unless --kv-cache-dtype) KV caches (default: bfloat16 on CUDA, float32 on CPU)",
     )
     parser.add_argument(
         "--quantization",
         choices=QUANTIZATIONS,
         default=None,
-        help="int8: the projections and LM head as int8 weight-only, on a CPU (compute and KV caches stay at --dtype)",
+        help="int8: the projections and LM head as int8 weight-only, on a CPU (compute stays at --dtype)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="the KV block pool's dtype (auto: --dtype); bfloat16 halves an fp32 model's cache and "
+        'what each decode step reads from it (README, "KV-cache dtype")',
     )
     parser.add_argument(
         "--eager",
@@ -72,12 +82,14 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def model_options(args: argparse.Namespace) -> dict:
-    """``load_model``'s ``dtype``, ``quantization`` and ``compile`` from ``--dtype``,
-    ``--quantization`` and ``--eager`` (``compile`` None: ``load_model``'s default)."""
+    """``load_model``'s ``dtype``, ``quantization``, ``compile`` and ``kv_cache_dtype`` from
+    ``--dtype``, ``--quantization``, ``--eager`` and ``--kv-cache-dtype`` (``compile`` None:
+    ``load_model``'s default)."""
     return {
         "dtype": dtype_of(args),
         "quantization": getattr(args, "quantization", None),
         "compile": False if getattr(args, "eager", False) else None,
+        "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"),
     }
 
 

@@ -51,12 +51,16 @@ def tiny_hf_config(kind: str = "llama"):
     raise ValueError(kind)
 
 
-def tiny_hf_model(kind: str = "llama", seed: int = 0, num_layers: int | None = None):
+def tiny_hf_model(
+    kind: str = "llama", seed: int = 0, num_layers: int | None = None, max_positions: int | None = None
+):
     """A random HF model whose every weight (biases and norms included) is non-trivial."""
     torch.manual_seed(seed)
     cfg = tiny_hf_config(kind)
     if num_layers:
         cfg.num_hidden_layers = num_layers
+    if max_positions:
+        cfg.max_position_embeddings = max_positions
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -67,9 +71,11 @@ def tiny_hf_model(kind: str = "llama", seed: int = 0, num_layers: int | None = N
     return model
 
 
-def tiny_model(kind: str = "llama", seed: int = 0, num_layers: int | None = None):
+def tiny_model(
+    kind: str = "llama", seed: int = 0, num_layers: int | None = None, max_positions: int | None = None
+):
     """``(our model, hf model)`` sharing the same random weights."""
-    hf = tiny_hf_model(kind, seed, num_layers)
+    hf = tiny_hf_model(kind, seed, num_layers, max_positions)
     return model_from_hf(hf), hf
 
 

@@ -67,7 +67,7 @@ class _WriteGroup:
                     if adapter.has(layer, proj):
                         mats.append(adapter.weights[(layer, proj)][0])
                     else:  # not read at this layer (the backend checks ``has``): zeros
-                        mats.append(self.pool.lr.new_zeros(d_in, width))
+                        mats.append(adapter.weights[next(iter(adapter.weights))][0].new_zeros(d_in, width))
             hit = cache[key] = (tuple(a for a, _ in self.fused), torch.cat(mats, dim=1))
         return hit[1]
 
@@ -110,22 +110,24 @@ class PlannedAttention:
             self.writes, self._writing = _write_groups(self.plans, self.layouts, idle), writing
         for g in self.writes:
             if g.kind == "lr_all":
-                g.pool.lr[layer][g.dst, g.cols[0]] = x.h[g.src] @ g.down_all(layer, x.h.shape[1])
+                lr = g.pool.lr[layer]
+                lr[g.dst, g.cols[0]] = (x.h[g.src] @ g.down_all(layer, x.h.shape[1])).to(lr.dtype)
                 continue
             if g.kind == "lr":
                 lk, lv = _lr_entries(x, g.src, g.adapter)
+                lr = g.pool.lr[layer]
                 if lk is not None:
-                    g.pool.lr[layer][g.dst, g.cols[0]] = lk
+                    lr[g.dst, g.cols[0]] = lk.to(lr.dtype)
                 if lv is not None:
-                    g.pool.lr[layer][g.dst, g.cols[1]] = lv
+                    lr[g.dst, g.cols[1]] = lv.to(lr.dtype)
                 continue
             if g.kind == "base":
                 k, v = x.base_kv()
                 k, v = k[g.src], v[g.src]
             else:
                 k, v = x.adapted_kv(g.src, g.adapter)
-            g.pool.k[layer][g.dst] = k
-            g.pool.v[layer][g.dst] = v
+            g.pool.k[layer][g.dst] = k.to(g.pool.k.dtype)  # rounded once to the kv_cache_dtype
+            g.pool.v[layer][g.dst] = v.to(g.pool.v.dtype)
         for i in self._recompute:
             rc, runs = self.plans[i].recompute, self.layouts[i]
             if rc.select_layer == layer and runs:

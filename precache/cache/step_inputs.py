@@ -72,26 +72,30 @@ class _Stacks:
             self.tensors[proj] = (A, Bs)
 
 
-def _stacks(pool: KVPool, adapters: list[LoRAAdapter], num_layers: int) -> _Stacks:
+def _stacks(pool: KVPool, adapters: list[LoRAAdapter], num_layers: int, dtype: torch.dtype) -> _Stacks:
     cache = pool.step_cache
     held: _Stacks | None = cache.get("stacks")
     if held is not None and all(id(a) in held.index for a in adapters):
         return held
     keep = [] if held is None else [a for a in held.adapters if id(a) not in {id(b) for b in adapters}]
     chosen = (keep + adapters) if len(keep) + len(adapters) <= MAX_STACKED else adapters
-    cache["stacks"] = _Stacks(chosen, num_layers, pool.dtype, pool.device)
+    cache["stacks"] = _Stacks(chosen, num_layers, dtype, pool.device)
     return cache["stacks"]
 
 
 def _lr_down(
-    pool: KVPool, writers: dict[int, tuple[slice, slice, LoRAAdapter]], num_layers: int, hidden: int
+    pool: KVPool,
+    writers: dict[int, tuple[slice, slice, LoRAAdapter]],
+    num_layers: int,
+    hidden: int,
+    dtype: torch.dtype,
 ):
     """``[n_layers, hidden, C]``: each written agent's ``A^k`` / ``A^v`` at its columns, zeros
     elsewhere; built once per set of writers (kept on the pool)."""
     key = ("lr_down", tuple(sorted((s, id(a)) for s, (_, _, a) in writers.items())))
     hit = pool.step_cache.get(key)
     if hit is None:
-        down = torch.zeros(num_layers, hidden, pool.lr_width, dtype=pool.dtype, device=pool.device)
+        down = torch.zeros(num_layers, hidden, pool.lr_width, dtype=dtype, device=pool.device)
         for cols_k, cols_v, adapter in writers.values():
             for proj, cols in (("k_proj", cols_k), ("v_proj", cols_v)):
                 for layer in range(num_layers):
@@ -185,7 +189,7 @@ def decode_step_inputs(
             if any(not any(rc == wc for wc in written) for rc in read_cols if rc.stop > rc.start):
                 return None
         rows.append((plan, slot_t, pos_t, lr_t, col, own == full and own != base, lr_read))
-    stacks = _stacks(pool, list(adapters.values()), c.num_layers)
+    stacks = _stacks(pool, list(adapters.values()), c.num_layers, model.dtype)
     return _tensors(model, pool, rows, stacks, writers, base_w, full_w, lr_w)
 
 
@@ -194,6 +198,7 @@ def _tensors(model, pool, rows, stacks: _Stacks, writers, base_w, full_w, lr_w):
     L = max(2, *(r[1].shape[0] for r in rows))  # a dynamic dimension is never 1
     R = stacks.rank
     reads_lr = any(r[6] is not None for r in rows)
+    c = model.config
     slots = torch.empty(B, L, dtype=torch.long)
     key_pos = torch.zeros(B, L, dtype=torch.long)
     valid = torch.zeros(B, L, dtype=torch.bool)
@@ -216,11 +221,9 @@ def _tensors(model, pool, rows, stacks: _Stacks, writers, base_w, full_w, lr_w):
             ck, cv = view.cols_k, view.cols_v
             lr_cols[b, : ck.stop - ck.start] = torch.arange(ck.start, ck.stop)
             lr_cols[b, R : R + cv.stop - cv.start] = torch.arange(cv.start, cv.stop)
-    lr_down = _lr_down(pool, writers, model.config.num_layers, model.config.hidden_size) if writers else None
+    lr_down = _lr_down(pool, writers, c.num_layers, c.hidden_size, model.dtype) if writers else None
     if reads_lr and lr_down is None:  # the graph overlays the own key's LR part from the new rows
-        lr_down = torch.zeros(
-            model.config.num_layers, model.config.hidden_size, pool.lr_width, dtype=pool.dtype
-        )
+        lr_down = torch.zeros(c.num_layers, c.hidden_size, pool.lr_width, dtype=model.dtype)
     device = pool.device
 
     def pairs(ws):
@@ -266,10 +269,10 @@ def write_step(pool: KVPool, out: DecodeStepOutputs, writes: StepWrites) -> None
     """Write a step's new entries into the pool: one indexed copy per pool tensor and kind of entry
     over every layer (the graph itself reads the pool only)."""
     if writes.base_dst.numel():
-        pool.k[:, writes.base_dst] = out.k_base[:, writes.base_src]
-        pool.v[:, writes.base_dst] = out.v_base[:, writes.base_src]
+        pool.k[:, writes.base_dst] = out.k_base[:, writes.base_src].to(pool.dtype)  # kv_cache_dtype
+        pool.v[:, writes.base_dst] = out.v_base[:, writes.base_src].to(pool.dtype)
     if writes.full_dst.numel():
-        pool.k[:, writes.full_dst] = out.k_full[:, writes.full_src]
-        pool.v[:, writes.full_dst] = out.v_full[:, writes.full_src]
+        pool.k[:, writes.full_dst] = out.k_full[:, writes.full_src].to(pool.dtype)
+        pool.v[:, writes.full_dst] = out.v_full[:, writes.full_src].to(pool.dtype)
     for src, dst, mask in writes.lr:
-        pool.lr[:, dst] = torch.where(mask, out.lr[:, src], pool.lr[:, dst])
+        pool.lr[:, dst] = torch.where(mask, out.lr[:, src].to(pool.dtype), pool.lr[:, dst])

@@ -111,6 +111,7 @@ class EngineSpec:
     device: str | None = None
     quantization: str | None = None  # "int8": int8 weight-only (precache.models.quant)
     compile: bool | None = None  # the compiled decode step (precache.models.step_graph); None: on a CPU
+    kv_cache_dtype: str = "auto"  # the block pool's dtype (precache.models.quant.resolve_kv_cache_dtype)
 
     def __call__(self):
         dtype = getattr(torch, self.dtype) if self.dtype else None
@@ -120,6 +121,7 @@ class EngineSpec:
             device=self.device,
             quantization=self.quantization,
             compile=self.compile,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
         return precache.Engine(
             model, adapters=self.adapters, method=self.method, kv_cache_bytes=self.kv_cache_bytes
@@ -326,6 +328,7 @@ def serve_from_args(args) -> int:
         device,
         args.quantization,
         False if args.eager else None,
+        args.kv_cache_dtype,
     )
     cluster = ClusterConfig(
         replicas=args.replicas or 1,

@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar, Unpack
 
+import torch
+
 from precache.cache.attention import default_backend, get_backend
 from precache.cache.plan import run_plans
 from precache.cache.pool import DEFAULT_BLOCK_SIZE
@@ -24,6 +26,7 @@ from precache.errors import AdapterBusyError, AdapterError, AdapterLimitError, U
 from precache.lora.adapter import LoRAAdapter, load_adapter
 from precache.methods import METHOD_REGISTRY, make_method
 from precache.models import load_model
+from precache.models.quant import resolve_kv_cache_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +56,11 @@ class Engine:
     ``max_lora_rank`` their rank, under every method; split methods reserve LR-cache columns for the
     spare ones, ``max_lora_rank`` each (default: the largest of 16 and the given ranks). None: no
     bound, except that a split method then has no spare LR columns (no adapter can be added).
+    ``kv_cache_dtype`` stores the pool's K/V and LR entries in another dtype than the model's
+    (:func:`~precache.models.quant.resolve_kv_cache_dtype`; vLLM's ``kv_cache_dtype``; default: the
+    model's ``kv_cache_dtype`` from :func:`precache.load_model`, else its dtype): ``"bfloat16"`` halves an fp32
+    model's cache and what each decode step reads from it; entries are rounded once when written
+    and widened to the model's dtype when read (error against an fp32 cache: README, "KV-cache dtype").
 
     Raises:
         UnknownMethodError: ``method`` does not exist.
@@ -60,7 +68,8 @@ class Engine:
         ImportError: ``attention_backend="triton"`` without triton installed.
         CacheCapacityError: ``kv_cache_bytes`` holds no block.
         AdapterError: an adapter folder is missing, malformed, or does not fit the model.
-        ValueError: ``max_adapters`` below the adapters given, or ``max_lora_rank`` below their ranks.
+        ValueError: ``max_adapters`` below the adapters given, or ``max_lora_rank`` below their ranks,
+            or an unknown ``kv_cache_dtype``.
     """
 
     def __init__(
@@ -74,9 +83,13 @@ class Engine:
         attention_backend: str | None = None,
         max_adapters: int | None = None,
         max_lora_rank: int | None = None,
+        kv_cache_dtype: str | torch.dtype | None = None,
     ):
         METHOD_REGISTRY.canonical(method)  # raises UnknownMethodError before any loading
         self.model = model if model is not None else load_model()
+        if kv_cache_dtype is None:  # the model's default (load_model's kv_cache_dtype)
+            kv_cache_dtype = self.model.kv_cache_dtype
+        cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.model.dtype)
         self.tokenizer = self.model.tokenizer
         self.adapters: dict[str, LoRAAdapter] = {}
         for name, src in (adapters or {}).items():
@@ -98,6 +111,7 @@ class Engine:
             prefix_caching=prefix_caching,
             spare_lr_slots=spare,
             spare_lr_rank=self.max_lora_rank,
+            kv_cache_dtype=cache_dtype,
         )
         self.pool = self.method.pool
         self.attention = get_backend(attention_backend or default_backend(self.model.device))

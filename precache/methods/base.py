@@ -87,7 +87,8 @@ class SharingMethod(ABC):
 
     ``kv_cache_bytes`` bounds the pool (bytes; default: room for ``n_agents + 2`` full-context
     caches, so one trajectory at the context length fits under every method, capped on a GPU by
-    :func:`device_capped`); ``block_size`` is
+    :func:`device_capped`); ``kv_cache_dtype`` is the dtype of its K/V and LR entries (default: the
+    model's; :func:`precache.models.quant.resolve_kv_cache_dtype`); ``block_size`` is
     in tokens; ``prefix_caching`` lets a new trajectory take back the blocks another one published
     for the same token prefix (:meth:`reuse_prefix`; off for benchmarks that replay one stream
     several times). ``agent=None`` everywhere means the base model with no adapter.
@@ -111,8 +112,10 @@ class SharingMethod(ABC):
         prefix_caching: bool = True,
         spare_lr_slots: int = 0,
         spare_lr_rank: int = 0,
+        kv_cache_dtype: torch.dtype | None = None,
     ):
         self.model, self.adapters, self.prefix_caching = model, adapters, prefix_caching
+        cache_dtype = kv_cache_dtype or model.dtype
         self.adapter_uid = {a: i for i, a in enumerate(adapters)}  # one id per load of an adapter
         self._next_uid, self.version = len(adapters), 0
         c = model.config
@@ -133,7 +136,7 @@ class SharingMethod(ABC):
         if self.splits_kv:
             lr_ranks = {a: self.lr_ranks(ad) for a, ad in adapters.items()}
         if kv_cache_bytes is None:  # a full-context trajectory fits under every method
-            itemsize = torch.finfo(model.dtype).bits // 8
+            itemsize = torch.finfo(cache_dtype).bits // 8
             lr_width = sum(map(sum, lr_ranks.values())) + 2 * spare_lr_slots * spare_lr_rank
             token_bytes = c.num_layers * (2 * c.num_kv_heads * c.head_dim + lr_width)
             blocks = (len(adapters) + 2) * -(-model.max_context // block_size)
@@ -145,7 +148,7 @@ class SharingMethod(ABC):
             lr_ranks,
             kv_cache_bytes,
             block_size,
-            model.dtype,
+            cache_dtype,
             model.device,
             spare_lr_slots=spare_lr_slots,
             spare_lr_rank=spare_lr_rank,

@@ -13,7 +13,7 @@ from precache.models.config import MODEL_REGISTRY, ModelConfig
 from precache.models.contract import AttentionBackend, LayerInput, Row
 from precache.models.llama import DenseAttention, LlamaModel, dense_logits
 from precache.models.loader import checkpoint_name, embedded_checkpoint, resolve_checkpoint
-from precache.models.quant import QUANTIZATIONS, check_quantization
+from precache.models.quant import QUANTIZATIONS, check_quantization, resolve_kv_cache_dtype
 from precache.models.step_graph import check_compile
 
 #: files any of which makes a checkpoint folder carry a tokenizer
@@ -28,6 +28,7 @@ def load_model(
     require_tokenizer: bool = True,
     quantization: str | None = None,
     compile: bool | None = None,
+    kv_cache_dtype: str | torch.dtype | None = None,
 ) -> LlamaModel:
     """Load a Llama-family model with its tokenizer, chat template and generation config.
 
@@ -45,13 +46,18 @@ def load_model(
     (default: on when ``device`` is the CPU) runs every decode step as one captured graph
     (:mod:`precache.models.step_graph`), compiled by inductor at its first step and cached on disk
     under ``$PRECACHE_HOME/inductor``; ``compile=False`` keeps the eager forward.
+    ``kv_cache_dtype`` (None or ``"auto"``: ``dtype``; ``"bfloat16"``, ``"float16"``, ``"float32"``)
+    is the default dtype of the block pool of every engine built on the model
+    (``model.kv_cache_dtype``; :class:`precache.Engine` takes its own).
 
     Raises:
         ModelLoadError: the path is missing, malformed, not a Llama-family architecture, has a
             config field we do not implement, or has no (readable) tokenizer; ``quantization`` is
-            not one precache runs on ``device``; ``compile=True`` off the CPU.
+            not one precache runs on ``device``; ``compile=True`` off the CPU; an unknown
+            ``kv_cache_dtype``.
     """
     try:
+        resolve_kv_cache_dtype(kv_cache_dtype, torch.float32)
         check_quantization(quantization, device)
         if compile:
             check_compile(device)
@@ -79,6 +85,7 @@ def load_model(
             model.quantize(quantization)
         if compile:
             model.compile()
+        model.kv_cache_dtype = kv_cache_dtype
         return model
 
     return on_compute(build)  # on the thread that will run its forwards (precache.compute)

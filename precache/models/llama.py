@@ -189,6 +189,8 @@ class LlamaModel:
         self.rope = RotaryEmbedding(hf_config, config.head_dim, self.max_context, self.dtype, self.device)
         self.quantization: str | None = None  # "int8" after quantize()
         self.decode_graph = None  # precache.models.step_graph.DecodeGraph after compile()
+        #: engines' default block-pool dtype (None: ``dtype``; precache.models.quant.resolve_kv_cache_dtype)
+        self.kv_cache_dtype: str | torch.dtype | None = None
 
     def _layer_weights(self, state: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
         p, c = f"model.layers.{i}.", self.config

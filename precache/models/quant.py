@@ -100,3 +100,33 @@ def check_quantization(quantization: str | None, device: str | None) -> None:
         raise ValueError(f"quantization {quantization!r}: precache runs {', '.join(QUANTIZATIONS)} only")
     if torch.device(device or "cpu").type != "cpu":
         raise ValueError(f"quantization {quantization!r} runs on the CPU only, not on {device}")
+
+
+#: ``kv_cache_dtype`` names (``load_model``, ``Engine``, ``--kv-cache-dtype``), and the dtype each stands for ("auto": the model's)
+KV_CACHE_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_kv_cache_dtype(value: str | torch.dtype | None, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's dtype for ``kv_cache_dtype`` ``value``: None or ``"auto"`` is ``model_dtype``; a
+    name of :data:`KV_CACHE_DTYPES` or one of those torch dtypes is itself.
+
+    Raises:
+        ValueError: any other value (vLLM's ``fp8`` caches among them), naming the choices.
+    """
+    if value is None or value == "auto":
+        return model_dtype
+    if isinstance(value, torch.dtype) and value in KV_CACHE_DTYPES.values():
+        return value
+    if isinstance(value, str) and value in KV_CACHE_DTYPES:
+        return KV_CACHE_DTYPES[value]
+    raise ValueError(
+        f"kv_cache_dtype {value!r} is not supported (supported: auto, {', '.join(KV_CACHE_DTYPES)})"
+    )

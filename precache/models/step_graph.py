@@ -134,6 +134,12 @@ def _lora(x: torch.Tensor, stack, layer: int, index: torch.Tensor) -> torch.Tens
     return torch.bmm(torch.bmm(x.unsqueeze(1), a[index, layer]), b[index, layer]).squeeze(1)
 
 
+def _stored(t: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``pool`` will hold it once written, back in ``t``'s dtype (a no-op when the pool
+    has the model's dtype): the eager forward writes a token's entries first and then reads them."""
+    return t if pool.dtype == t.dtype else t.to(pool.dtype).to(t.dtype)
+
+
 def _plus(y: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
     return y if delta is None else y + delta
 
@@ -187,17 +193,19 @@ class _Step(torch.nn.Module):
                 RotaryEmbedding.apply(k_full, cos, sin),
             )
             out_kb.append(k), out_vb.append(v), out_kf.append(k_full), out_vf.append(v_full)
-            # the row's view: pool rows, its own new entry in place of the unwritten slot
-            keys = torch.where(is_self, torch.where(self_full, k_full, k).unsqueeze(1), pool_k[i][inp.slots])
-            values = torch.where(
-                is_self, torch.where(self_full, v_full, v).unsqueeze(1), pool_v[i][inp.slots]
-            )
+            # the row's view: pool rows, its own new entry in place of the unwritten slot, rounded
+            # as the pool will hold it (a kv_cache_dtype other than the model's: _stored)
+            own_k = _stored(torch.where(self_full, k_full, k), pool_k)
+            own_v = _stored(torch.where(self_full, v_full, v), pool_v)
+            keys = torch.where(is_self, own_k.unsqueeze(1), pool_k[i][inp.slots].to(x.dtype))
+            values = torch.where(is_self, own_v.unsqueeze(1), pool_v[i][inp.slots].to(x.dtype))
             lv = None
             if inp.lr_down is not None:
                 new_lr = h @ inp.lr_down[i]  # [B, C]
                 out_lr.append(new_lr)
             if reads_lr:
-                lr = torch.where(inp.is_self[:, :, None], new_lr[:, None, :], pool_lr[i][inp.slots])
+                own_lr = _stored(new_lr, pool_lr)[:, None, :]
+                lr = torch.where(inp.is_self[:, :, None], own_lr, pool_lr[i][inp.slots].to(x.dtype))
                 lr = torch.gather(lr, 2, inp.lr_cols[:, None, :].expand(B, L, -1))  # [B, L, rk + rv]
                 lr = torch.where(lr_on, lr, 0.0)  # rows of other stores hold no LR rows (never written)
                 lk, lv = lr[..., :rank_k], lr[..., rank_k:]
@@ -210,7 +218,12 @@ class _Step(torch.nn.Module):
             if self.windows[i] is not None:
                 visible = visible & (inp.key_positions > inp.positions[:, None] - self.windows[i])
             scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            scores = scores.float()
+            weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # masked keys: 0
+            # softmax's denominator as a product with ones, not a sum: inductor's C++ code for a
+            # float sum over more than 4,096 elements differs and is chosen behind a guard on the
+            # key count, which recompiled the step once a context passed 4,096 keys
+            probs = (weights / torch.matmul(weights, weights.new_ones(L, 1))).to(q.dtype)
             attn = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [B, Hkv, G, D]: P Vb
             if lv is not None and "v_proj" in stacks:
                 plv = torch.matmul(probs.reshape(B, Hq, L), lv)  # [B, Hq, rv]: P Lv
@@ -259,7 +272,8 @@ class DecodeGraph:
     @torch.no_grad()
     def __call__(self, inputs: DecodeStepInputs, pool_k, pool_v, pool_lr) -> DecodeStepOutputs:
         """Run one step; ``pool_k``/``pool_v`` ``[n_layers, rows, n_kv_heads, head_dim]`` and
-        ``pool_lr`` ``[n_layers, rows, C]`` are read only."""
+        ``pool_lr`` ``[n_layers, rows, C]`` are read only (in the model's dtype or another
+        ``kv_cache_dtype``, widened as they are gathered)."""
         if not self.compiled:
             return self._fn(inputs, pool_k, pool_v, pool_lr)
         per_key = (inputs.slots, inputs.key_positions, inputs.key_valid, inputs.is_self, inputs.lr_on)

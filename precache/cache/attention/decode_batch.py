@@ -93,12 +93,13 @@ class DecodeBucket:
         k_buf, v_buf = self.buffers
         k = torch.index_select(pool.k[layer].view(-1, D), 0, self.head_slots, out=k_buf).view(B, Hkv, L, D)
         v = torch.index_select(pool.v[layer].view(-1, D), 0, self.head_slots, out=v_buf).view(B, Hkv, L, D)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # a pool of another kv_cache_dtype: widened once here
         lr_values = []
         for g in self.groups:
             adapter, has_k, has_v = g.adapter, g.adapter.has(layer, "k_proj"), g.adapter.has(layer, "v_proj")
             if not (has_k or has_v):
                 continue
-            lr = pool.lr[layer].index_select(0, g.pool_rows)  # [n, C]
+            lr = pool.lr[layer].index_select(0, g.pool_rows).to(q.dtype)  # [n, C]
             if has_k:
                 delta = adapter.up(lr[:, g.cols[0]], layer, "k_proj").view(-1, Hkv, D)
                 k[g.row_of, :, g.col_of] += model.rope.apply(delta, g.cos, g.sin)

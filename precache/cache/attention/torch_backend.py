@@ -13,13 +13,14 @@ from precache.cache.attention.segments import Segment, attend
 
 
 def segment_at(read: KVRead, layer: int, model) -> Segment:
-    """``read`` at ``layer``: keys get the RoPE'd LoRA part, values keep the LR term apart."""
+    """``read`` at ``layer``: keys get the RoPE'd LoRA part, values keep the LR term apart (in the
+    model's dtype: a pool of another ``kv_cache_dtype`` is widened here)."""
     pool = read.pool
-    k, v = pool.k[layer][read.rows], pool.v[layer][read.rows]
+    k, v = pool.k[layer][read.rows].to(model.dtype), pool.v[layer][read.rows].to(model.dtype)
     adapter = read.adapter
     if adapter is None or read.lr_cols is None:
         return Segment(k, v, read.start)
-    lr = pool.lr[layer][read.rows]
+    lr = pool.lr[layer][read.rows].to(model.dtype)
     if adapter.has(layer, "k_proj"):
         delta = adapter.up(lr[:, read.lr_cols[0]], layer, "k_proj").view(k.shape)
         k = k + model.rope.apply(delta, read.cos, read.sin)  # RoPE is linear: RoPE(Kb_lin + d) = Kb + RoPE(d)
