@@ -201,9 +201,14 @@ def test_the_server_honours_response_format_and_vllms_fields(engine):
         for body, field in [
             ({"guided_regex": "[0-9]+", "guided_choice": ["a"]}, "guided_choice"),
             ({"guided_regex": "(unclosed"}, "guided_regex"),
-            ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-            ({"response_format": {"type": "yaml"}}, "response_format"),
-            ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs"),
+            (
+                {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+                "response_format.json_schema.schema",
+            ),
+            ({"response_format": {"type": "yaml"}}, "response_format.type"),
+            ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs.xml"),
+            ({"guided_regex": "foo**"}, "guided_regex"),  # the grammar engine takes it, Python's re does not
+            ({"response_format": {"type": "json_schema", "json_schema": "x"}}, "response_format.json_schema"),
         ]:
             r = httpx.post(
                 f"{server.url}/completions", json={"model": "plan", "prompt": "Hi", **body}, timeout=60

@@ -16,6 +16,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, Field
 
 import precache
+from precache.config import StructuredOutput
 from precache.engine.outputs import Turn
 from precache.engine.structured import validate_structured_output
 from precache.resources import adapter_set
@@ -470,3 +471,16 @@ def test_finish_reasons_for_auto_required_named_and_cut_calls():
         choice = _rendered(cut, "length", required, name)
         assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
         assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+
+
+def test_definitions_are_lifted_like_defs_and_response_format_schemas_compile():
+    old_style = json.loads(
+        json.dumps(openai.pydantic_function_tool(GetWeather)).replace("$defs", "definitions")
+    )
+    assert old_style["function"]["parameters"]["properties"]["unit"] == {"$ref": "#/definitions/Unit"}
+    tools = tools_of([old_style], "required")
+    (arguments,), defs = lift_definitions(list(tools.functions))
+    assert set(defs) == {"Place", "Unit"} and arguments["properties"]["place"] == {"$ref": "#/$defs/Place"}
+    validate_structured_output(tool_constraint(tools, get_parser("hermes")))
+    for schema in (GetWeather.model_json_schema(), old_style["function"]["parameters"]):  # a response_format
+        validate_structured_output(StructuredOutput.json_schema(schema))
