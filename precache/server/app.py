@@ -189,7 +189,8 @@ class _Api:
         Raises:
             APIError: 4xx, the request is refused (nothing was queued).
         """
-        check_unicode(body.model_dump(exclude_unset=True))  # first: error messages may quote fields
+        # first: error messages may quote fields
+        check_unicode(body.model_dump(exclude_unset=True, by_alias=True))
         agent = self.agent(body.model)
         check_fields(body)  # the field policy before any tokenising
         tools = (

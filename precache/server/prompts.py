@@ -79,7 +79,7 @@ def chat_messages(req: ChatRequest) -> list[dict]:
                 raise APIError(
                     400,
                     "only text content parts are supported",
-                    f"messages.{i}.content",
+                    f"messages[{i}].content",
                     "unsupported_content",
                 )
             content = "".join(part.text or "" for part in content)

@@ -172,7 +172,7 @@ def check_unicode(value: Any, path: str = "") -> None:
             check_unicode(item, name)
     elif isinstance(value, list | tuple):
         for i, item in enumerate(value):
-            check_unicode(item, f"{path}.{i}")
+            check_unicode(item, f"{path}[{i}]")
 
 
 def check_fields(req: _GenerationRequest) -> None:
