@@ -1,8 +1,11 @@
-"""bf16 or int8 weights against fp32 on CPU: decode speed and the error, on HotpotQA dev episodes.
+"""bf16 or int8 weights, or a bf16 KV cache, against fp32 on CPU: decode speed and the error, on
+HotpotQA dev episodes.
 
 Two engines over the embedded SmolLM2 (``load_model(dtype=float32)`` and, with ``--against
 bf16`` (default), ``dtype=bfloat16`` (the KV caches follow the compute dtype) or, with
-``--against int8``, ``quantization="int8"`` (int8 weight-only; compute and KV caches stay fp32)),
+``--against int8`` / ``int4``, ``quantization="int8"`` / ``"int4"`` (weight-only; compute and KV
+caches stay fp32), or,
+with ``--against kv-bf16``, fp32 weights and compute over a bf16 block pool (``kv_cache_dtype``)),
 the committed ``qv`` adapters, one sharing method (default PreLRShared). Each of the first
 ``--questions`` dev questions runs as a greedy episode on both. Reported:
 
@@ -11,7 +14,7 @@ the committed ``qv`` adapters, one sharing method (default PreLRShared). Each of
 - greedy agreement: episodes whose every turn is identical, identical final answers, EM of each;
 - decode tokens/s of each (all decode tokens over all decode time, single stream).
 
-    python benchmarks/precision_error.py --questions 10 --threads 2 [--against int8]
+    python benchmarks/precision_error.py --questions 10 --threads 2 [--against int8 | int4 | kv-bf16]
 """
 
 from __future__ import annotations
@@ -32,13 +35,14 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=10)
     parser.add_argument("--method", default="prelrshared")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--against", default="bf16", choices=("bf16", "int8"))
+    parser.add_argument("--against", default="bf16", choices=("bf16", "int8", "int4", "kv-bf16"))
     args = parser.parse_args()
-    other = (
-        {"dtype": torch.bfloat16}
-        if args.against == "bf16"
-        else {"dtype": torch.float32, "quantization": "int8"}
-    )
+    other = {
+        "bf16": {"dtype": torch.bfloat16},
+        "int8": {"dtype": torch.float32, "quantization": "int8"},
+        "int4": {"dtype": torch.float32, "quantization": "int4"},
+        "kv-bf16": {"dtype": torch.float32, "kv_cache_dtype": "bfloat16"},
+    }[args.against]
     torch.set_num_threads(args.threads)
     engines = {
         name: precache.Engine(

@@ -44,7 +44,7 @@ DTYPES = ("float32", "bfloat16")
 
 
 #: ``--quantization``: ``precache.models.quant.QUANTIZATIONS`` (spelled here: the parser needs no torch)
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int4")
 #: ``--kv-cache-dtype``: "auto" and ``precache.models.quant.KV_CACHE_DTYPES``' long names
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -64,7 +64,8 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=QUANTIZATIONS,
         default=None,
-        help="int8: the projections and LM head as int8 weight-only, on a CPU (compute stays at --dtype)",
+        help="int8 | int4: the projections and LM head as int8 (per row) or int4 (groups of 64) "
+        "weight-only, on a CPU (compute stays at --dtype; int4 changes outputs most, README)",
     )
     parser.add_argument(
         "--kv-cache-dtype",

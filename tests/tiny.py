@@ -51,16 +51,15 @@ def tiny_hf_config(kind: str = "llama"):
     raise ValueError(kind)
 
 
-def tiny_hf_model(
-    kind: str = "llama", seed: int = 0, num_layers: int | None = None, max_positions: int | None = None
-):
-    """A random HF model whose every weight (biases and norms included) is non-trivial."""
+def tiny_hf_model(kind: str = "llama", seed: int = 0, num_layers: int | None = None, **overrides):
+    """A random HF model whose every weight (biases and norms included) is non-trivial;
+    ``overrides`` set config fields (``max_position_embeddings=4400``)."""
     torch.manual_seed(seed)
     cfg = tiny_hf_config(kind)
     if num_layers:
         cfg.num_hidden_layers = num_layers
-    if max_positions:
-        cfg.max_position_embeddings = max_positions
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -71,11 +70,9 @@ def tiny_hf_model(
     return model
 
 
-def tiny_model(
-    kind: str = "llama", seed: int = 0, num_layers: int | None = None, max_positions: int | None = None
-):
+def tiny_model(kind: str = "llama", seed: int = 0, num_layers: int | None = None, **overrides):
     """``(our model, hf model)`` sharing the same random weights."""
-    hf = tiny_hf_model(kind, seed, num_layers, max_positions)
+    hf = tiny_hf_model(kind, seed, num_layers, **overrides)
     return model_from_hf(hf), hf
 
 

@@ -22,7 +22,7 @@ from precache.bench.common import add_common_args, hf_model_of, write_results
 from precache.cli_args import model_options
 from precache.compute import on_compute
 from precache.methods import METHOD_REGISTRY
-from precache.models.quant import Int8Weight
+from precache.models.quant import QUANTIZED_WEIGHTS, resolve_kv_cache_dtype
 from precache.resources import adapter_set
 
 
@@ -75,18 +75,20 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 def step_bytes(model, batch: int, context: int, fp32: bool = False) -> int:
     """Bytes one decode step reads at least: every weight matrix once (the embedding row aside) plus
-    each row's KV cache (``context`` positions of K and V at every layer, in the model's dtype);
-    ``fp32``: as fp32 weights and caches (the HF + PEFT baseline's)."""
+    each row's KV cache (``context`` positions of K and V at every layer, in the pool's dtype:
+    the model's ``kv_cache_dtype``); ``fp32``: as fp32 weights and caches (the HF + PEFT baseline's)."""
 
     def size(t) -> int:
+        quantized = isinstance(t, QUANTIZED_WEIGHTS)
         if fp32:
-            return 4 * (t.qweight.numel() if isinstance(t, Int8Weight) else t.numel())
-        return t.nbytes() if isinstance(t, Int8Weight) else t.numel() * t.element_size()
+            return 4 * (t.qweight.numel() if quantized else t.numel())
+        return t.nbytes() if quantized else t.numel() * t.element_size()
 
     weights = sum(size(t) for w in model.layers for t in w.values() if t is not None)
     weights += size(model.lm_head) + size(model.norm)
     c = model.config
-    kv = 2 * c.num_layers * c.kv_size * (4 if fp32 else torch.finfo(model.dtype).bits // 8)
+    cache_dtype = resolve_kv_cache_dtype(model.kv_cache_dtype, model.dtype)
+    kv = 2 * c.num_layers * c.kv_size * (4 if fp32 else torch.finfo(cache_dtype).bits // 8)
     return weights + batch * context * kv
 
 

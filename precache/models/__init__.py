@@ -82,7 +82,10 @@ def load_model(
         model = model_from_hf(hf_model, tokenizer, folder, device, max_context, generation_config)
         del hf_model  # its dense weights: the int8 ones replace them
         if quantization is not None:
-            model.quantize(quantization)
+            try:
+                model.quantize(quantization)
+            except ValueError as exc:  # a weight shape the kernel cannot take
+                raise ModelLoadError(f"quantization {quantization!r}: {exc}") from None
         if compile:
             model.compile()
         model.kv_cache_dtype = kv_cache_dtype

@@ -19,7 +19,7 @@ from transformers.activations import ACT2FN
 from precache.errors import ContextLengthError, ModelLoadError
 from precache.models.config import MODEL_REGISTRY, ModelConfig
 from precache.models.contract import AttentionBackend, LayerInput, Row
-from precache.models.quant import Int8Weight, check_quantization
+from precache.models.quant import QUANTIZED_WEIGHTS, check_quantizable, check_quantization, quantize_weight
 from precache.models.rope import RotaryEmbedding, static_position_limit
 
 if TYPE_CHECKING:
@@ -52,9 +52,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     over ``d_in``, equal to ``F.linear``'s up to float rounding (relative error below 1e-6,
     ``tests/test_forward.py``). Other devices, dtypes (bf16 already runs on every thread),
     and more than :data:`SPLIT_LINEAR_MAX_ROWS` rows keep ``F.linear``. An
-    :class:`~precache.models.quant.Int8Weight` runs its own int8 kernel.
+    :class:`~precache.models.quant.Int8Weight` or ``Int4Weight`` runs its own kernel.
     """
-    if isinstance(weight, Int8Weight):  # int8 weight-only (precache.models.quant)
+    if isinstance(weight, QUANTIZED_WEIGHTS):  # int8 / int4 weight-only (precache.models.quant)
         y = weight.matmul(x)
         return y if bias is None else y.add_(bias)
     parts = torch.get_num_threads()
@@ -187,7 +187,7 @@ class LlamaModel:
         self.max_context = _max_context(hf_config, config, max_context)
         self.act = ACT2FN[config.hidden_act]
         self.rope = RotaryEmbedding(hf_config, config.head_dim, self.max_context, self.dtype, self.device)
-        self.quantization: str | None = None  # "int8" after quantize()
+        self.quantization: str | None = None  # "int8" / "int4" after quantize()
         self.decode_graph = None  # precache.models.step_graph.DecodeGraph after compile()
         #: engines' default block-pool dtype (None: ``dtype``; precache.models.quant.resolve_kv_cache_dtype)
         self.kv_cache_dtype: str | torch.dtype | None = None
@@ -226,19 +226,28 @@ class LlamaModel:
 
     def quantize(self, quantization: str) -> None:
         """Hold every projection and the LM head as ``quantization`` (``"int8"``: int8 weight-only,
-        :mod:`precache.models.quant`); the embedding lookup, norms, biases, LoRA adapters and the
-        KV caches stay at ``self.dtype``. A tied LM head gets an int8 copy of the embedding.
+        ``"int4"``: int4 weight-only in groups, :mod:`precache.models.quant`); the embedding lookup,
+        norms, biases, LoRA adapters and the KV caches stay at ``self.dtype``. A tied LM head gets
+        a quantized copy of the embedding.
 
         Raises:
-            ValueError: an unknown ``quantization``, or the weights are not on the CPU.
+            ValueError: an unknown ``quantization``, the weights are not on the CPU, the model is
+                already quantized otherwise, or (int4) a weight's ``d_in`` is not a multiple of
+                the group size.
         """
         check_quantization(quantization, str(self.device))
-        for w in self.layers:
-            for name in self.QUANTIZED:
-                if not isinstance(w[name], Int8Weight):
-                    w[name] = Int8Weight.quantize(w[name])
-        if not isinstance(self.lm_head, Int8Weight):
-            self.lm_head = Int8Weight.quantize(self.lm_head)
+        if self.quantization not in (None, quantization):
+            raise ValueError(f"the model is already quantized as {self.quantization}, not {quantization}")
+        if self.quantization == quantization:
+            return
+        weights = [
+            (f"layers.{i}.{name}", w, name) for i, w in enumerate(self.layers) for name in self.QUANTIZED
+        ]
+        shapes = [(label, w[name].shape) for label, w, name in weights] + [("lm_head", self.lm_head.shape)]
+        check_quantizable(shapes, quantization)
+        for _, w, name in weights:
+            w[name] = quantize_weight(w[name], quantization)
+        self.lm_head = quantize_weight(self.lm_head, quantization)
         self.quantization = quantization
 
     def compile(self, compiled: bool = True) -> None:

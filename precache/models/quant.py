@@ -14,6 +14,17 @@ the CPU kernel gpt-fast uses), a prefill product as ``x (s ⊙ Q)ᵀ`` at the co
 LoRA terms and KV caches stay at the compute dtype (fp32 by default on a CPU). A decode step reads
 a quarter of fp32's weight bytes. The error against fp32 is measured in benchmarks/RESULTS.md
 ("Issue 22", "int8 weight-only").
+
+``quantization="int4"`` (an option, never a default) holds them as int4 weight-only in groups of
+:data:`INT4_GROUP_SIZE` inputs, asymmetric (min / max per group, the convention of PyTorch's int4
+kernels and gpt-fast's int4 handler):
+
+    s_og = bf16((max_g W_o - min_g W_o) / 15),   z_og = bf16(min_g W_o + 8 s_og),
+    Q_oi = clamp(round((W_oi - min_g W_o) / s_og), 0, 15),   W_oi ≈ (Q_oi - 8) s_og + z_og
+
+a decode product in ``aten._weight_int4pack_mm_for_cpu`` (bf16 inputs and scales), a prefill
+product over the dequantized weight; an eighth of fp32's weight bytes per decode step, and a
+larger error (benchmarks/RESULTS.md, "int4 weight-only").
 """
 
 from __future__ import annotations
@@ -23,7 +34,10 @@ from dataclasses import dataclass
 import torch
 
 #: the weight precisions ``load_model(quantization=...)`` accepts (None: the weights at ``dtype``)
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int4")
+#: inputs per int4 group (each weight's ``d_in`` must be a multiple; gpt-fast's and torchao's choice
+#: for small models)
+INT4_GROUP_SIZE = 64
 _QMAX = 127
 #: rows up to which a product runs in the int8 kernel; more rows multiply the dequantized weight
 INT8_KERNEL_MAX_ROWS = 128
@@ -87,11 +101,102 @@ class Int8Weight:
         return self.qweight.numel() + 2 * self.scales.numel()
 
 
+@dataclass(frozen=True)
+class Int4Weight:
+    """A weight matrix ``[d_out, d_in]`` as int4 in groups of :data:`INT4_GROUP_SIZE` inputs
+    (module docstring: the formula): ``packed`` (``aten._convert_weight_to_int4pack_for_cpu``'s
+    layout, ``[d_out, d_in / 2]`` uint8) for the decode kernel, ``qweight`` ``[d_out, d_in]`` (uint8,
+    0..15) for the prefill product, ``scales_and_zeros`` ``[d_in / group, d_out, 2]`` (bf16).
+    Built by :meth:`quantize`; used by :func:`precache.models.llama.linear` in place of a dense
+    weight."""
+
+    packed: torch.Tensor
+    qweight: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    group_size: int
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> Int4Weight:
+        """Group-wise asymmetric int4 of ``weight`` ``[d_out, d_in]`` (any float dtype); scales
+        and zeros are rounded to bf16 first, so ``dequantize()`` is what the kernel multiplies.
+
+        Raises:
+            ValueError: ``d_in`` is not a multiple of ``group_size``.
+        """
+        d_out, d_in = weight.shape
+        if d_in % group_size:
+            raise ValueError(f"int4 needs d_in a multiple of {group_size}; a {d_out} x {d_in} weight is not")
+        w = weight.detach().float().view(d_out, d_in // group_size, group_size)
+        low, high = w.amin(dim=-1), w.amax(dim=-1)
+        scales = ((high - low) / 15).clamp(min=torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
+        zeros = (low + 8 * scales.float()).to(torch.bfloat16)
+        # the codes against the rounded scale and zero: (Q - 8) s + z nearest to W
+        q = torch.round((w - zeros.float()[..., None]) / scales.float()[..., None] + 8).clamp(0, 15)
+        q = q.to(torch.int32).view(d_out, d_in)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+        scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+        return cls(packed, q.to(torch.uint8), scales_and_zeros, group_size)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``(Q - 8) s + z`` ``[d_out, d_in]`` at ``dtype``: the weight this int4 weight stands for."""
+        d_out, d_in = self.shape
+        q = self.qweight.float().view(d_out, d_in // self.group_size, self.group_size)
+        sz = self.scales_and_zeros.float().transpose(0, 1)  # [d_out, groups, 2]
+        return ((q - 8) * sz[..., :1] + sz[..., 1:]).view(d_out, d_in).to(dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x Wᵀ`` for ``x`` ``[N, d_in]``: ``[N, d_out]`` at ``x``'s dtype. Up to
+        :data:`INT8_KERNEL_MAX_ROWS` rows in the int4 kernel with bf16 inputs (its fp32 path measured
+        10-30x slower here); more rows multiply ``dequantize()`` at ``x``'s dtype."""
+        if x.shape[0] > INT8_KERNEL_MAX_ROWS:
+            return torch.nn.functional.linear(x, self.dequantize(x.dtype))
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16).contiguous(), self.packed, self.group_size, self.scales_and_zeros
+        )
+        return y.to(x.dtype)
+
+    def nbytes(self) -> int:
+        """Bytes a decode product reads: the packed codes and the scales and zeros (the unpacked
+        codes, for prefill, are held beside them)."""
+        return self.packed.numel() + 2 * self.scales_and_zeros.numel()
+
+
+#: the weight types :func:`precache.models.llama.linear` multiplies with their own kernel
+QUANTIZED_WEIGHTS = (Int8Weight, Int4Weight)
+
+
+def quantize_weight(weight: torch.Tensor, quantization: str):
+    """``weight`` as ``quantization``'s weight type (``"int8"``: :class:`Int8Weight`,
+    ``"int4"``: :class:`Int4Weight`)."""
+    return Int8Weight.quantize(weight) if quantization == "int8" else Int4Weight.quantize(weight)
+
+
+def check_quantizable(shapes: list[tuple[str, torch.Size]], quantization: str) -> None:
+    """Refuse ``quantization`` of weights whose shape its kernel cannot take, naming the first.
+
+    Raises:
+        ValueError: int4 and a weight ``(label, [d_out, d_in])`` whose ``d_in`` is not a multiple
+            of :data:`INT4_GROUP_SIZE`.
+    """
+    if quantization != "int4":
+        return
+    for label, (d_out, d_in) in shapes:
+        if d_in % INT4_GROUP_SIZE:
+            raise ValueError(
+                f"int4 needs every projection's d_in a multiple of {INT4_GROUP_SIZE}; {label} is "
+                f"{d_out} x {d_in} (use int8)"
+            )
+
+
 def check_quantization(quantization: str | None, device: str | None) -> None:
     """Refuse a ``quantization`` precache does not run (on ``device``), naming it.
 
     Raises:
-        ValueError: not one of :data:`QUANTIZATIONS`, or int8 off the CPU (its kernel here is the
+        ValueError: not one of :data:`QUANTIZATIONS`, or int8 / int4 off the CPU (their kernels here are the
             CPU one).
     """
     if quantization is None:

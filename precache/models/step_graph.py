@@ -44,17 +44,19 @@ import torch.nn.functional as F
 
 from precache.models.contract import DecodeStepInputs, DecodeStepOutputs
 from precache.models.llama import rms_norm
-from precache.models.quant import Int8Weight
+from precache.models.quant import Int4Weight, Int8Weight
 from precache.models.rope import RotaryEmbedding
 from precache.terminal import progress
 
 logger = logging.getLogger(__name__)
 
 #: inductor's options for the step: the kernels called from generated C++ rather than Python
-#: (``cpp_wrapper``). Not ``freezing``: it folds the weights into the graph as prepacked constants,
+#: (``cpp_wrapper``); every cast to a lower precision rounded as eager rounds it
+#: (``emulate_precision_casts``: inductor otherwise keeps fp32 through a cast to bf16 and back, so
+#: a row's own new entries would skip the rounding a bf16 pool gives them). Not ``freezing``: it folds the weights into the graph as prepacked constants,
 #: which inductor then never caches on disk (every start compiled for 77 s); SmolLM2 decodes as
 #: fast without it (26-28 ms a step either way on a 2-core AVX512 machine, benchmarks/RESULTS.md)
-INDUCTOR_OPTIONS = {"cpp_wrapper": True}
+INDUCTOR_OPTIONS = {"cpp_wrapper": True, "emulate_precision_casts": True}
 
 #: graphs of the step one process may hold (one per row count, method layout and adapter layout)
 RECOMPILE_LIMIT = 64
@@ -88,7 +90,7 @@ def inductor_cache_dir() -> Path:
 
 class _Weights(torch.nn.Module):
     """The model's weights as module parameters and buffers (the same storage, no copy), which
-    dynamo lifts as inputs of the graph. Int8 weights keep their int8 matrix and scales."""
+    dynamo lifts as inputs of the graph. Int8 and int4 weights keep their codes and scales."""
 
     def __init__(self, model):
         super().__init__()
@@ -111,14 +113,22 @@ class _Weights(torch.nn.Module):
         if isinstance(t, Int8Weight):
             self._add(name + "_q", t.qweight)
             self._add(name + "_s", t.scales)
+        elif isinstance(t, Int4Weight):
+            self._add(name + "_q4", t.packed)
+            self._add(name + "_sz", t.scales_and_zeros)
+            self.int4_group = t.group_size
         else:
             self._add(name, t)
 
     def linear(self, x: torch.Tensor, name: str, bias: str | None = None) -> torch.Tensor:
-        """``x W^T (+ b)`` of the weight ``name``, dense or int8 weight-only."""
+        """``x W^T (+ b)`` of the weight ``name``, dense or int8 / int4 weight-only."""
         if hasattr(self, name + "_q"):
             q, s = getattr(self, name + "_q"), getattr(self, name + "_s")
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), q, s).to(x.dtype)
+        elif hasattr(self, name + "_q4"):
+            q, sz = getattr(self, name + "_q4"), getattr(self, name + "_sz")
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), q, self.int4_group, sz)
+            y = y.to(x.dtype)
         else:
             y = F.linear(x, getattr(self, name))
         if bias is not None and hasattr(self, bias):
