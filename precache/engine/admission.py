@@ -12,20 +12,23 @@ from __future__ import annotations
 from precache.cache.pool import KVPool
 from precache.engine.preemption import resume_blocks
 from precache.engine.request import Request
+from precache.engine.swap_space import SwapSpace
 
 
-def start_blocks(request: Request, pool: KVPool, max_prefill: int | None) -> int:
-    """Blocks ``request`` needs to run its first rows: its session's swapped caches back, then its
-    next decode row (preempted) or its first prefill chunk (new: an estimate from the method's
-    cached length, plus one block for a partly filled last block or a turn-local cache that starts
-    mid-block)."""
+def start_blocks(request: Request, pool: KVPool, max_prefill: int | None, space: SwapSpace) -> int:
+    """Blocks ``request`` needs to run its first rows: its session's caches back (swapped in, or
+    rebuilt when they were dropped), then its next decode row (preempted) or its first prefill chunk
+    (new: an estimate from the method's cached length, plus one block for a partly filled last block
+    or a turn-local cache that starts mid-block)."""
+    back = resume_blocks(request, space)
     if request.phase is not None:  # preempted: its caches back, then a decode row
-        return resume_blocks(request) + 1
+        return back + 1
     session = request.session
-    left = len(session.token_ids) - session.method.cached_length(session.state)
+    cached = len(session.authors) if session.dropped else session.method.cached_length(session.state)
+    left = len(session.token_ids) - cached
     if max_prefill is not None:
         left = min(left, max_prefill)
-    return resume_blocks(request) + pool.blocks_for(max(left, 1)) + 1
+    return back + pool.blocks_for(max(left, 1)) + 1
 
 
 def session_free(request: Request) -> bool:

@@ -22,6 +22,7 @@ from precache.engine.outputs import Turn
 from precache.engine.request import Request
 from precache.engine.scheduler import Batch, Scheduler
 from precache.engine.session import Session
+from precache.engine.swap_space import SwapSpace, check_swap_space_bytes, default_swap_space_bytes
 from precache.errors import AdapterBusyError, AdapterError, AdapterLimitError, UnknownAdapterError
 from precache.lora.adapter import LoRAAdapter, load_adapter
 from precache.methods import METHOD_REGISTRY, make_method
@@ -69,7 +70,7 @@ class Engine:
         CacheCapacityError: ``kv_cache_bytes`` holds no block.
         AdapterError: an adapter folder is missing, malformed, or does not fit the model.
         ValueError: ``max_adapters`` below the adapters given, or ``max_lora_rank`` below their ranks,
-            or an unknown ``kv_cache_dtype``.
+            or an unknown ``kv_cache_dtype``, or ``swap_space_bytes`` not an integer >= 0.
     """
 
     def __init__(
@@ -84,8 +85,12 @@ class Engine:
         max_adapters: int | None = None,
         max_lora_rank: int | None = None,
         kv_cache_dtype: str | torch.dtype | None = None,
+        swap_space_bytes: int | None = None,
     ):
         METHOD_REGISTRY.canonical(method)  # raises UnknownMethodError before any loading
+        if swap_space_bytes is None:
+            swap_space_bytes = default_swap_space_bytes()
+        check_swap_space_bytes(swap_space_bytes)
         self.model = model if model is not None else load_model()
         if kv_cache_dtype is None:  # the model's default (load_model's kv_cache_dtype)
             kv_cache_dtype = self.model.kv_cache_dtype
@@ -116,7 +121,10 @@ class Engine:
         self.pool = self.method.pool
         self.attention = get_backend(attention_backend or default_backend(self.model.device))
         self.eos_token_ids = self._eos_ids()
-        self.scheduler = Scheduler(self._forward, pool=self.pool, runner=on_compute)
+        self.swap_space = SwapSpace(self.pool, swap_space_bytes)
+        self.scheduler = Scheduler(
+            self._forward, pool=self.pool, runner=on_compute, swap_space=self.swap_space
+        )
 
     def _spare_slots(self, max_adapters: int | None, max_lora_rank: int | None) -> tuple[int, int]:
         """LR-cache slots to reserve for adapters added later, and their rank."""
@@ -211,6 +219,13 @@ class Engine:
         by several trajectories or forks, once), ``cached`` (unheld blocks kept for prefix reuse),
         ``free``. ``allocated + cached + free == total``."""
         return self.pool.usage()
+
+    def swap_usage(self) -> dict[str, int]:
+        """Host swap space (:class:`~precache.engine.swap_space.SwapSpace`): ``capacity``, ``used``
+        and ``peak`` in bytes, ``sessions`` swapped out now, and over the engine's life
+        ``swap_outs``, ``drops`` (sessions whose host copies were dropped) and ``rebuilt_tokens``
+        (tokens prefilled again to rebuild them)."""
+        return self.swap_space.usage()
 
     @property
     def method_name(self) -> str:

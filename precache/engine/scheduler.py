@@ -30,6 +30,7 @@ from precache.cache.plan import blocks_needed, reserve_writes
 from precache.cache.pool import KVPool
 from precache.engine import admission, parallel, preemption, rows
 from precache.engine.request import Phase, Request, RequestState
+from precache.engine.swap_space import UNBOUNDED_SWAP_SPACE, SwapSpace
 from precache.errors import OutOfBlocksError, PrecacheError
 
 logger = logging.getLogger(__name__)
@@ -91,8 +92,11 @@ class Scheduler:
     sessions give back about ``n`` blocks (the server drops cached conversations); then idle
     ``sessions`` are swapped out, and only then a running request is preempted; ``reclaim``
     returns the blocks it freed. A request that cannot fit even alone fails with
-    :class:`~precache.errors.OutOfBlocksError`. ``runner(fn)`` runs each step (the engine's:
-    :func:`precache.compute.on_compute`, one OS thread for every step whichever thread drives it).
+    :class:`~precache.errors.OutOfBlocksError`. ``swap_space`` bounds the host memory swapped-out
+    caches take (:class:`~precache.engine.swap_space.SwapSpace`; default: unbounded); a request
+    whose session's caches it dropped rebuilds them as it starts. ``runner(fn)`` runs each step
+    (the engine's: :func:`precache.compute.on_compute`, one OS thread for every step whichever
+    thread drives it).
     """
 
     def __init__(
@@ -101,8 +105,10 @@ class Scheduler:
         config: SchedulerConfig | None = None,
         pool: KVPool | None = None,
         runner: Callable[[Callable[[], T]], T] | None = None,
+        swap_space: SwapSpace | None = None,
     ):
         self.forward, self.pool = forward, pool
+        self.swap_space = swap_space or SwapSpace(pool, UNBOUNDED_SWAP_SPACE)
         self.runner = runner or (lambda fn: fn())
         self.config = config or SchedulerConfig()
         self.waiting: list[Request] = []
@@ -266,13 +272,13 @@ class Scheduler:
         for session in preemption.idle_victims(self.sessions()) if freed < short else ():
             if freed >= short:
                 break
-            freed += preemption.swap_out_session(session, self.pool)
+            freed += self.swap_space.swap_out(session)
         scheduled = {q.id for q in batch.requests}
         while preempt and freed < short:
             v = preemption.victim(self.running, scheduled, r)
             if v is None:
                 break
-            freed += preemption.preempt(v, self.pool)
+            freed += preemption.preempt(v, self.swap_space)
             self.running.remove(v)
             self._enqueue(v)
             batch.preempted += 1
@@ -294,7 +300,7 @@ class Scheduler:
             if not admission.session_free(r):
                 continue  # its session's earlier request runs first; other sessions go on
             if room.blocks is not None:
-                need = admission.start_blocks(r, self.pool, room.tokens)
+                need = admission.start_blocks(r, self.pool, room.tokens, self.swap_space)
                 if need > room.blocks:
                     room.blocks += self._make_room(need - room.blocks, r, batch, preempt=False)
                 if need > room.blocks and (self.running or r.phase is not None):
@@ -307,13 +313,16 @@ class Scheduler:
                 return
 
     def _start(self, r: Request, batch: Batch, room: _Room) -> bool:
-        """Open ``r``'s turn (or swap its caches back in) and take its first rows. Both may take
-        blocks the step counted as available (a swap-in; cached blocks a prefix match attaches),
-        so the step's room shrinks by what they took."""
+        """Open ``r``'s turn (or swap its caches back in, or rebuild them when the swap space dropped
+        them) and take its first rows. All may take blocks the step counted as available (a
+        swap-in; a rebuild; cached blocks a prefix match attaches), so the step's room shrinks by
+        what they took."""
         before = self.pool.allocator.num_available if self.pool is not None else 0
         try:
             if r.swapped is not None:
-                preemption.resume(r, self.pool)
+                preemption.resume(r, self.swap_space)
+            if r.session.dropped:
+                self.swap_space.rebuild(r.session, r.agent, self.forward)
             if r.phase is None:
                 r.open()
         except Exception as exc:
@@ -370,6 +379,7 @@ class Scheduler:
         if request.phase is not None:
             request.abort("error")
         if request.swapped is not None:  # its caches never came back: the session starts over
+            self.swap_space.forget(request.session)
             request.session.forget_caches()
         if request.session.active is request:
             request.session.active = None

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Unpack
 
 from precache.cache.prefix import common_prefix
-from precache.cache.swap import SwappedBlocks, swap_in
+from precache.cache.swap import SwappedBlocks
 from precache.config import SamplingOptions, SamplingParams
 from precache.engine.outputs import StreamChunk, Turn
 from precache.engine.request import Request
@@ -34,6 +34,9 @@ class Session:
     closed (what was appended since is the next turn's :attr:`Turn.appended`). ``cache_salt``: the
     tenant (None: the default one); the trajectory reuses and publishes cache blocks by token prefix
     only among trajectories with the same salt (:mod:`precache.cache.prefix`), and its forks keep it.
+    ``swapped``: the host copies of its caches while the engine has swapped them out; ``dropped``:
+    the engine's swap space dropped them (:mod:`precache.engine.swap_space`), only the tokens and
+    authors are kept, and the next request rebuilds the caches from them.
     """
 
     engine: object
@@ -47,6 +50,7 @@ class Session:
     active: Request | None = field(default=None, repr=False)
     cache_salt: str | None = None
     swapped: SwappedBlocks | None = field(default=None, repr=False)
+    dropped: bool = False
     last_used: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self):
@@ -89,7 +93,7 @@ class Session:
         self._resident()
         common = common_prefix(self.token_ids, token_ids)
         if common < len(self.token_ids):
-            self.method.truncate(self.state, common)
+            self.method.truncate(self.state, common)  # a dropped session's caches are empty already
             del self.authors[common:]
             del self.token_ids[common:]
             self.last_turn_end = min(self.last_turn_end, common)
@@ -113,9 +117,10 @@ class Session:
             self.engine,
             token_ids=self.token_ids[:length],
             authors=self.authors[:length],
-            state=self.method.fork_state(self.state, length),
+            state=None if self.dropped else self.method.fork_state(self.state, length),
             last_turn_end=min(self.last_turn_end, length),
             cache_salt=self.cache_salt,
+            dropped=self.dropped,  # a fork of dropped caches rebuilds its own
         )
 
     def close(self) -> None:
@@ -126,7 +131,8 @@ class Session:
             SessionBusyError: a turn runs on this session.
         """
         self._check_idle("close")
-        self.swapped = None  # host copies of swapped-out caches: dropped with the rest
+        self.engine.scheduler.swap_space.forget(self)  # host copies of swapped-out caches go too
+        self.dropped = False
         self.method.truncate(self.state, 0)
         self.token_ids.clear()
         self.authors.clear()
@@ -150,6 +156,15 @@ class Session:
         self.state = self.method.new_state()
         self.state.salt = self.cache_salt
         self.authors.clear()
+
+    def drop_caches(self) -> None:
+        """Give every cache block back and keep only the tokens and their authors (the engine's swap
+        space dropped this idle session's caches); the next request rebuilds the caches from them.
+        Only between turns."""
+        self.method.truncate(self.state, 0)  # blocks of a swapped-out state are released already
+        self.state = self.method.new_state()
+        self.state.salt = self.cache_salt
+        self.dropped = True
 
     def cache_bytes(self) -> dict:
         """Bytes per cache: ``{"base", "lr": {agent: n}, "full": {agent: n}, "turn", "total", "peak"}``."""
@@ -317,8 +332,8 @@ class Session:
             OutOfBlocksError: the pool cannot hold them now.
         """
         if self.swapped is not None:
-            self.engine.scheduler.exclusive(lambda: self.swapped and swap_in(self.method.pool, self.swapped))
-            self.swapped = None
+            space = self.engine.scheduler.swap_space
+            self.engine.scheduler.exclusive(lambda: space.swap_in(self))
 
     def _check_idle(self, what: str) -> None:
         if self.active is not None:

@@ -59,6 +59,19 @@ class CacheState:
         return list({id(s): s for s in out if s is not None}.values())
 
 
+def author_runs(authors: list[str | None], known) -> list[tuple[int, int, str | None]]:
+    """``authors`` as maximal runs ``(start, end, author)``, tokens ``[start, end)``; an author for
+    which ``known(author)`` is false becomes None (the base model)."""
+    runs: list[tuple[int, int, str | None]] = []
+    for p, a in enumerate(authors):
+        a = a if a is not None and known(a) else None
+        if runs and runs[-1][2] == a:
+            runs[-1] = (runs[-1][0], p + 1, a)
+        else:
+            runs.append((p, p + 1, a))
+    return runs
+
+
 #: share of a GPU's free memory the default block pool may take (the rest: activations, logits)
 GPU_POOL_SHARE = 0.85
 
@@ -100,6 +113,8 @@ class SharingMethod(ABC):
     """
 
     name: ClassVar[str]
+    #: :meth:`plans` of a token's author writes every cache entry of it (:meth:`rebuild` replays them)
+    rebuilds_by_author: ClassVar[bool] = False
     #: methods that split K/V into base + LR cannot do so under Qwen3's per-head k-norm
     splits_kv: ClassVar[bool] = False
 
@@ -242,6 +257,25 @@ class SharingMethod(ABC):
         read them (they run in the turn's first forward and count in its ``prefill_tokens``);
         default: none (the method has no per-agent cache to build, or builds it in the turn)."""
         return []
+
+    def rebuild(
+        self, state: CacheState, agent: str | None, token_ids: list[int], authors: list[str | None]
+    ) -> list[RowPlan] | None:
+        """Rows that rebuild the caches of an emptied ``state`` over ``token_ids[:len(authors)]`` as
+        this method first wrote them (``authors[t]`` processed token t first), run in one forward
+        before ``agent``'s turn opens: the engine's swap space dropped the caches
+        (:mod:`precache.engine.swap_space`). With :attr:`rebuilds_by_author`, each run of tokens is
+        prefilled again by its author through :meth:`plans` (the base model where the author is
+        unknown or unloaded). None: the method has no exact rebuild; the trajectory starts over and
+        its next turn prefills every token with its own adapter."""
+        if not self.rebuilds_by_author:
+            return None
+        plans = []
+        for start, end, author in author_runs(authors, lambda a: a in self.adapters):
+            plans += self.plans(state, author, token_ids[start:end], start)
+        for plan in plans:
+            plan.want_logits = False
+        return plans
 
     # -- state -------------------------------------------------------------------------------
     def new_kv_store(self, offset: int = 0) -> PagedStore:

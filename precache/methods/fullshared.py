@@ -13,6 +13,7 @@ from precache.methods.base import CacheState, SharingMethod
 
 class FullShared(SharingMethod):
     name = "fullshared"
+    rebuilds_by_author = True  # one cache, each token written by its author's row
 
     def empty_state(self) -> CacheState:
         return CacheState(full={"shared": self.new_kv_store()})

@@ -54,5 +54,15 @@ class NonShared(SharingMethod):
         end = pos0 + len(token_ids)
         return [RowPlan(token_ids, pos0, self.adapter(agent), [FullWrite(own)], [View(own, 0, end)])]
 
+    def rebuild(self, state, agent, token_ids, authors):
+        """The returning agent's own cache over the tokens cached before the drop, from its own
+        forward as it was written; every other agent's cache comes back at its next turn, whose
+        prefill reads from token 0 (the same entries: each agent's cache is its own)."""
+        n = len(authors)
+        if n == 0:
+            return []
+        own = self._own(state, agent)
+        return [RowPlan(token_ids[:n], 0, self.adapter(agent), [FullWrite(own)], [View(own, 0, n)], False)]
+
     def check(self, state: CacheState) -> None:
         return None  # each agent's cache covers the prefix it has read; no cross-store invariant

@@ -6,11 +6,12 @@ Every later turn prefills only new tokens; memory is one base plus N rank-r LR c
 from __future__ import annotations
 
 from precache.cache.rowplan import BaseWrite, LRWrite, RowPlan, View
-from precache.methods.base import CacheState, SplitKVMethod
+from precache.methods.base import CacheState, SplitKVMethod, author_runs
 
 
 class PreLRShared(SplitKVMethod):
     name = "prelrshared"
+    rebuilds_by_author = True  # the author's row writes the base and every LR cache (fact 4)
 
     def plans(self, state, agent, token_ids, pos0):
         end = pos0 + len(token_ids)
@@ -29,15 +30,12 @@ class PreLRShared(SplitKVMethod):
             return []
         state.late.discard(agent)
         view, write = state.lr[agent], LRWrite(state.lr[agent], self.adapters[agent])
-        runs: list[list] = []  # [start, end, author or None]
-        for p in range(view.length, state.base.length):
-            a = authors[p] if p < len(authors) else None
-            if a not in self.adapters or a in state.late or a == agent:
-                a = None
-            if runs and runs[-1][2] == a:
-                runs[-1][1] = p + 1
-            else:
-                runs.append([p, p + 1, a])
+        span = [authors[p] if p < len(authors) else None for p in range(view.length, state.base.length)]
+
+        def usable(a: str) -> bool:
+            return a in self.adapters and a not in state.late and a != agent
+
+        runs = [(s + view.length, e + view.length, a) for s, e, a in author_runs(span, usable)]
         return [
             RowPlan(
                 token_ids[s:e],

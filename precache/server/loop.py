@@ -294,6 +294,7 @@ class ServerLoop:
         usage = self.engine.cache_usage()
         self.metrics.cache_bytes.set(usage["allocated"])
         self.metrics.pool_usage(usage)
+        self.metrics.swap_usage(self.engine.swap_usage())
         self.metrics.sessions.set(len(self.pool))
 
     def _relay_choice(self, job: Job, request) -> None:

@@ -24,7 +24,10 @@ class ServerMetrics:
     or stalled clients by reason (``precache_refused_total``: ``max_connections``,
     ``header_timeout``, ``body_timeout``, ``max_requests_in_flight``, ``stream_stalled``,
     ``draining``), the streams held for a client that stopped reading
-    (``precache_streams_held_total``), and prometheus_client's process metrics
+    (``precache_streams_held_total``), the host swap space (``precache_swap_space_bytes`` by
+    state: capacity, used; ``precache_swap_drops_total``: swapped-out sessions whose host copies
+    were dropped; ``precache_swap_rebuilt_tokens_total``: tokens prefilled again to rebuild them),
+    and prometheus_client's process metrics
     (``process_resident_memory_bytes``, CPU seconds, open file descriptors; on Linux)."""
 
     def __init__(self):
@@ -90,7 +93,22 @@ class ServerMetrics:
         self.streams_held = Counter(
             "precache_streams_held", "Times a request was held for a client that stopped reading", registry=r
         )
+        self.swap_bytes = Gauge(
+            "precache_swap_space_bytes",
+            "Host swap space bytes by state (Engine.swap_usage: capacity, used)",
+            ["state"],
+            registry=r,
+        )
+        self.swap_drops = Counter(
+            "precache_swap_drops",
+            "Swapped-out sessions whose host copies were dropped past the swap space (rebuilt on return)",
+            registry=r,
+        )
+        self.swap_rebuilt_tokens = Counter(
+            "precache_swap_rebuilt_tokens", "Tokens prefilled again to rebuild dropped caches", registry=r
+        )
         self._prompt = self._cached = 0
+        self._drops = self._rebuilt = 0
 
     def error(self, status: int, code: str | None) -> None:
         """Count one error response (``status``: HTTP status; ``code``: the OpenAI error code)."""
@@ -110,6 +128,14 @@ class ServerMetrics:
         """Export :meth:`Engine.cache_usage` (bytes by state)."""
         for state, n in usage.items():
             self.pool_bytes.labels(state).set(n)
+
+    def swap_usage(self, usage: dict[str, int]) -> None:
+        """Export :meth:`Engine.swap_usage` (bytes; the engine's life counts advance the counters)."""
+        for state in ("capacity", "used"):
+            self.swap_bytes.labels(state).set(usage[state])
+        self.swap_drops.inc(usage["drops"] - self._drops)
+        self.swap_rebuilt_tokens.inc(usage["rebuilt_tokens"] - self._rebuilt)
+        self._drops, self._rebuilt = usage["drops"], usage["rebuilt_tokens"]
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition format and its content type."""
