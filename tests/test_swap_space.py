@@ -135,3 +135,14 @@ def test_metrics_count_drops_and_rebuilt_tokens():
     assert "precache_swap_rebuilt_tokens_total 130.0" in text
     assert 'precache_swap_space_bytes{state="capacity"} 1000.0' in text
     assert 'precache_swap_space_bytes{state="used"} 0.0' in text
+
+
+def test_serve_takes_swap_space_in_gib_and_refuses_a_bad_one_by_name(capsys):
+    from precache.cli import main
+    from precache.server.cli import swap_space_gib
+
+    assert swap_space_gib("0.5") == 2**29 and swap_space_gib("0") == 0
+    for bad in ("-1", "lots", "inf"):
+        with pytest.raises(SystemExit) as exc:
+            main(["serve", "--swap-space", bad])
+        assert exc.value.code == 2 and "--swap-space" in capsys.readouterr().err

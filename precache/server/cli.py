@@ -78,6 +78,21 @@ def lora_module(item: str) -> tuple[str, str]:
     return name, path
 
 
+def swap_space_gib(text: str) -> int:
+    """An ``argparse`` ``type``: host swap space in GiB (vLLM's ``--swap-space``), returned in bytes.
+
+    Raises:
+        argparse.ArgumentTypeError: not a finite number >= 0.
+    """
+    try:
+        gib = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a number of GiB, got {text!r}") from None
+    if not 0 <= gib < float("inf"):
+        raise argparse.ArgumentTypeError(f"takes a number of GiB >= 0, got {text!r}")
+    return int(gib * 2**30)
+
+
 def adapters_from_args(args: argparse.Namespace) -> dict[str, str]:
     """``--adapters`` (a committed set or a folder of adapters, serve only) and ``--lora-modules``
     as ``{name: folder}``, checked before any model loads.
@@ -155,6 +170,7 @@ def serve(args: argparse.Namespace) -> int:
         adapters=adapters,
         method=args.method,
         kv_cache_bytes=args.kv_cache_bytes,
+        swap_space_bytes=args.swap_space,
         max_adapters=max_adapters,
         max_lora_rank=args.max_lora_rank,
     )
@@ -242,6 +258,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="KV block pool, allocated once (default: n_agents + 2 caches at the context length)",
+    )
+    p.add_argument(
+        "--swap-space",
+        type=swap_space_gib,
+        default=None,
+        metavar="GIB",
+        help="host memory for caches swapped out of the pool, in GiB; past it the least recently "
+        "used idle conversations are dropped and recomputed on return (default: a quarter of RAM)",
     )
     p.add_argument("--max-cache-bytes", action=RemovedOption, help=argparse.SUPPRESS)
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests batched at once")
