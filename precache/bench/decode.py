@@ -147,7 +147,12 @@ def _bench_decode(args: argparse.Namespace) -> int:
         result["engine"]["tokens_per_s"]["median"] / result["hf_peft"]["tokens_per_s"]["median"]
     )
     # each side's precision, named: the HF + PEFT baseline always runs fp32 weights (hf_model_of)
-    ours_precision = "int8 weights" if model.quantization else str(model.dtype).removeprefix("torch.")
+    ours_precision = (
+        f"{model.quantization} weights" if model.quantization else str(model.dtype).removeprefix("torch.")
+    )
+    cache_dtype = resolve_kv_cache_dtype(model.kv_cache_dtype, model.dtype)
+    if cache_dtype != model.dtype:
+        ours_precision += f", {str(cache_dtype).removeprefix('torch.')} KV cache"
     labels = {
         "engine": ours_precision + (", compiled decode" if model.decode_graph is not None else ", eager")
     }

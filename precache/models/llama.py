@@ -225,10 +225,10 @@ class LlamaModel:
     QUANTIZED = ("qkv", "o_proj", "gate_up", "down_proj")
 
     def quantize(self, quantization: str) -> None:
-        """Hold every projection and the LM head as ``quantization`` (``"int8"``: int8 weight-only,
-        ``"int4"``: int4 weight-only in groups, :mod:`precache.models.quant`); the embedding lookup,
-        norms, biases, LoRA adapters and the KV caches stay at ``self.dtype``. A tied LM head gets
-        a quantized copy of the embedding.
+        """Hold every projection and the LM head as ``quantization`` (``"int8"``: int8 weight-only;
+        ``"int4"``: the projections int4 weight-only in groups and the LM head int8;
+        :mod:`precache.models.quant`); the embedding lookup, norms, biases, LoRA adapters and the
+        KV caches stay at ``self.dtype``. A tied LM head gets a quantized copy of the embedding.
 
         Raises:
             ValueError: an unknown ``quantization``, the weights are not on the CPU, the model is
@@ -243,11 +243,10 @@ class LlamaModel:
         weights = [
             (f"layers.{i}.{name}", w, name) for i, w in enumerate(self.layers) for name in self.QUANTIZED
         ]
-        shapes = [(label, w[name].shape) for label, w, name in weights] + [("lm_head", self.lm_head.shape)]
-        check_quantizable(shapes, quantization)
+        check_quantizable([(label, w[name].shape) for label, w, name in weights], quantization)
         for _, w, name in weights:
             w[name] = quantize_weight(w[name], quantization)
-        self.lm_head = quantize_weight(self.lm_head, quantization)
+        self.lm_head = quantize_weight(self.lm_head, quantization, lm_head=True)
         self.quantization = quantization
 
     def compile(self, compiled: bool = True) -> None:

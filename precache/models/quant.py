@@ -15,9 +15,10 @@ LoRA terms and KV caches stay at the compute dtype (fp32 by default on a CPU). A
 a quarter of fp32's weight bytes. The error against fp32 is measured in benchmarks/RESULTS.md
 ("Issue 22", "int8 weight-only").
 
-``quantization="int4"`` (an option, never a default) holds them as int4 weight-only in groups of
-:data:`INT4_GROUP_SIZE` inputs, asymmetric (min / max per group, the convention of PyTorch's int4
-kernels and gpt-fast's int4 handler):
+``quantization="int4"`` (an option, never a default) holds the projections as int4 weight-only in
+groups of :data:`INT4_GROUP_SIZE` inputs, asymmetric (min / max per group, the convention of
+PyTorch's int4 kernels and gpt-fast's int4 handler), and the LM head as int8 (as llama.cpp keeps
+its output matrix above 4 bits: at int4 it alone moved SmolLM2's logits by 4 more):
 
     s_og = bf16((max_g W_o - min_g W_o) / 15),   z_og = bf16(min_g W_o + 8 s_og),
     Q_oi = clamp(round((W_oi - min_g W_o) / s_og), 0, 15),   W_oi ≈ (Q_oi - 8) s_og + z_og
@@ -35,9 +36,10 @@ import torch
 
 #: the weight precisions ``load_model(quantization=...)`` accepts (None: the weights at ``dtype``)
 QUANTIZATIONS = ("int8", "int4")
-#: inputs per int4 group (each weight's ``d_in`` must be a multiple; gpt-fast's and torchao's choice
-#: for small models)
-INT4_GROUP_SIZE = 64
+#: inputs per int4 group (each weight's ``d_in`` must be a multiple): llama.cpp's q4_0 block. On
+#: SmolLM2-135M groups of 64 moved the first turn's logits by up to 10-12 (KL up to 1.2 nats), groups
+#: of 32 with an int8 LM head by 1.0 (KL 0.011; benchmarks/RESULTS.md, "int4 weight-only")
+INT4_GROUP_SIZE = 32
 _QMAX = 127
 #: rows up to which a product runs in the int8 kernel; more rows multiply the dequantized weight
 INT8_KERNEL_MAX_ROWS = 128
@@ -169,10 +171,12 @@ class Int4Weight:
 QUANTIZED_WEIGHTS = (Int8Weight, Int4Weight)
 
 
-def quantize_weight(weight: torch.Tensor, quantization: str):
+def quantize_weight(weight: torch.Tensor, quantization: str, lm_head: bool = False):
     """``weight`` as ``quantization``'s weight type (``"int8"``: :class:`Int8Weight`,
-    ``"int4"``: :class:`Int4Weight`)."""
-    return Int8Weight.quantize(weight) if quantization == "int8" else Int4Weight.quantize(weight)
+    ``"int4"``: :class:`Int4Weight`, except the LM head (``lm_head``), int8 under both)."""
+    if quantization == "int8" or lm_head:
+        return Int8Weight.quantize(weight)
+    return Int4Weight.quantize(weight)
 
 
 def check_quantizable(shapes: list[tuple[str, torch.Size]], quantization: str) -> None:
