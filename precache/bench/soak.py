@@ -21,7 +21,8 @@ counted, each server process's RSS over time (``process_resident_memory_bytes`` 
 the tokens of every completed request that differ from the same request run alone on a fresh
 engine (must be 0: no tenant's tokens depend on the load, nor on a replica dying), and the blocks
 still held once every idle conversation is dropped, on every live replica (must be 0: nothing
-leaked).
+leaked). ``--idle-conversations N`` adds a phase of N idle conversations against a bounded host
+swap space (:mod:`precache.bench.soak_idle`): the RSS it adds stays within ``--swap-space``.
 """
 
 from __future__ import annotations
@@ -381,6 +382,27 @@ def _table(result: dict):
     return table
 
 
+def _idle_table(idle: dict):
+    from rich.table import Table
+
+    table = Table(title=f"idle phase: {idle['conversations']} idle conversations")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    usage = idle["swap_usage_idle"]
+    for label, value in [
+        ("tokens per conversation", idle["tokens_per_conversation"]),
+        ("swap space / block pool MiB", f"{idle['swap_space_mib']:g} / {idle['kv_cache_mib']:g}"),
+        ("host MiB of one swapped conversation", f"{idle['swapped_conversation_mib']:g}"),
+        ("RSS MiB before / peak / growth", f"{idle['rss_before_mib']:.0f} / {idle['rss_peak_mib']:.0f} / "
+         f"{idle['rss_growth_mib']:.0f}"),
+        ("swapped out / held now / dropped", f"{usage['swap_outs']} / {usage['sessions']} / {usage['drops']}"),
+        ("rebuilt tokens (returning conversations)", idle["swap_usage"]["rebuilt_tokens"]),
+        ("tokens differing after rebuild (must be 0)", idle["tokens_differing_after_rebuild"]),
+    ]:  # fmt: skip
+        table.add_row(label, str(value))
+    return table
+
+
 def _bench_soak(args: argparse.Namespace) -> int:
     from precache.resources import adapter_set
 
@@ -402,10 +424,26 @@ def _bench_soak(args: argparse.Namespace) -> int:
         model_arg=args.model,
         compile=compile,
     )
+    if args.idle_conversations:
+        from precache.bench.soak_idle import run_idle_phase
+
+        result["idle"] = run_idle_phase(
+            model,
+            adapters,
+            args.method,
+            args.idle_conversations,
+            args.idle_tokens,
+            args.kv_cache_bytes,
+            int(args.swap_space * 2**30),
+            args.seed,
+        )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     console().print(_table(result))
     clean = result["blocks_leaked"] == 0 and result["sessions_left"] == 0
+    if "idle" in result:
+        console().print(_idle_table(result["idle"]))
+        clean = clean and result["idle"]["tokens_differing_after_rebuild"] == 0
     return 0 if clean and result["tokens_differing_from_alone"] == 0 else 1
 
 
@@ -437,6 +475,22 @@ def add_bench_soak(bench_sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--eager", action="store_true", help="run decode steps eagerly (default: one compiled graph per step)"
+    )
+    p.add_argument(
+        "--idle-conversations",
+        type=positive_int,
+        default=None,
+        help="then a phase of N idle conversations on one engine: RSS bounded by --swap-space",
+    )
+    p.add_argument(
+        "--idle-tokens", type=positive_int, default=512, help="prompt tokens of each idle conversation"
+    )
+    p.add_argument(
+        "--swap-space",
+        type=positive_float,
+        default=0.25,
+        metavar="GIB",
+        help="host swap space of the idle phase in GiB (default 0.25)",
     )
     p.add_argument("--json", required=True, help="the report")
     p.set_defaults(func=_bench_soak)
