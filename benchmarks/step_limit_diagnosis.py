@@ -22,7 +22,7 @@ and 64 new tokens):
    rounding) and each policy's KL against NonShared per turn.
 
     PRECACHE_EAGER=1 python benchmarks/step_limit_diagnosis.py --threads 1 \
-        --ids 10330,1083,12776,1340,14767,15642 --json benchmarks/results/step_limit_diagnosis.json
+        --ids 10330,1083,12776 --json benchmarks/results/step_limit_diagnosis.json
 
 writes the JSON and ``step_limit_diagnosis.md`` beside it (``--report-only``: the markdown from the JSON).
 """
