@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 # CPU build); elsewhere on Linux `make install TORCH_INDEX=https://download.pytorch.org/whl/cpu`
 TORCH_INDEX ?=
 
-.PHONY: install test lint demo bench llama-cpp clean
+.PHONY: install test lint demo bench fuzz llama-cpp clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -39,6 +39,14 @@ bench: $(STAMP)
 	  --adapters qv --methods $(METHODS) --repeats 3 --threads 2 \
 	  --json benchmarks/results/trace_L1024_qv.json --markdown benchmarks/results/trace_L1024_qv.md \
 	  --plot benchmarks/results/trace_L1024_qv.png
+
+# the server fuzzed longer than make test does (tests/test_server_fuzz.py): 10,000 bodies over every
+# POST endpoint, the cases per endpoint and status in benchmarks/results/fuzz/server_fuzz.json
+FUZZ_EXAMPLES ?= 10000
+fuzz: $(STAMP)
+	mkdir -p benchmarks/results/fuzz
+	PRECACHE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) PRECACHE_FUZZ_REPORT=benchmarks/results/fuzz/server_fuzz.json \
+	  HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests/test_server_fuzz.py
 
 # optional: llama.cpp's llama-server for `bench trace --baselines llama-cpp` (about 5 minutes on
 # 2 cores; `make test` never needs it)

@@ -147,6 +147,33 @@ def test_unload_and_load_again_under_the_same_name_drops_the_old_caches(setup, m
     assert_same_turns(got, want)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_a_trajectory_forked_after_an_unload_goes_on_as_one_never_forked(setup, method):
+    """A trajectory written while ``reflect`` was loaded, forked after its unload (a server's
+    pooled session taking a new request): the fork holds only the loaded agents' caches (the
+    unloaded one's LR columns are gone from the pool) and its next turns equal the parent's.
+    Found by the server fuzzer (tests/test_server_fuzz.py): the fork raised KeyError."""
+    model, _, dirs = setup
+    three = {a: dirs[a] for a in ("plan", "action", "reflect")}
+    sessions = []
+    for _ in range(2):  # two engines with the same history (a fork's turns publish blocks too)
+        engine = make_engine(model, three, method, max_adapters=4)
+        if method == "droidspeak":
+            engine.method.layers_given = True
+        s, _ = replay(engine, [*EARLY, ("reflect", 2)])
+        engine.remove_adapter("reflect")
+        sessions.append(s)
+    fork = sessions[0].fork(len(sessions[0].token_ids))
+    assert "reflect" not in fork.state.lr and "reflect" not in fork.state.uids
+    after = [("append", 4), ("plan", 3), ("action", 2)]
+    _, got = replay(fork.engine, after, fork, seed=7)
+    twin = sessions[1]
+    if method == "cacheblend":  # its fork parts from its parent with no unload at all (the
+        twin = twin.fork(len(twin.token_ids))  # recompute's top 15% differs): a fork on each side
+    _, want = replay(twin.engine, after, twin, seed=7)
+    assert_same_turns(got, want)
+
+
 def test_nonshared_reload_reads_nothing_of_the_old_load(setup):
     """NonShared: the old ``reflect`` read the trajectory; the new one under its name prefills it
     all again with its own weights (HF + PEFT's logits), its old cache dropped."""

@@ -383,6 +383,10 @@ class SharingMethod(ABC):
         """
         if state.turn_start is not None and not open_turn:
             raise CacheIntegrityError("cannot fork caches during an open turn")
+        if state.turn_start is None and state.uids != self.adapter_uid:
+            # adapters loaded or unloaded since its last turn: an unloaded agent's LR columns are
+            # gone from the pool, so bring the caches to the loaded adapters before copying them
+            self.sync_state(state)
         base = state.base.fork(length) if state.base is not None else None
         lr = {a: LRView(base, a, min(v.length, length)) for a, v in state.lr.items()}
         full = {a: s.fork(length) for a, s in state.full.items()}
