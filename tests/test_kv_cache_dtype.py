@@ -10,12 +10,12 @@ import torch
 
 from precache.methods import METHODS
 from precache.models.quant import KV_CACHE_DTYPES, resolve_kv_cache_dtype
-from tests.tiny import AGENTS, make_engine, save_random_adapter, tiny_model
+from tests.tiny import make_engine, tiny_model
 
 #: logits with a 16-bit pool against an fp32 pool, relative to the largest logit: each entry is
-#: rounded once (relative error up to 2^-9 in bf16, 2^-12 in fp16). This random tiny model's wide
-#: weights amplify it: measured 0.04-0.10 (bf16) and 0.002-0.012 (fp16) over the methods
-CACHE_LOGITS = {"bfloat16": 0.15, "float16": 0.025}
+#: rounded once (relative error up to 2^-9 in bf16, 2^-12 in fp16). The tiny model's wide random
+#: weights amplify it: measured 0.020-0.143 (bf16) and 0.005-0.015 (fp16) over the methods
+CACHE_LOGITS = {"bfloat16": 0.25, "float16": 0.03}
 
 
 def test_kv_cache_dtype_names_resolve_and_others_are_refused():
@@ -32,18 +32,6 @@ def test_kv_cache_dtype_names_resolve_and_others_are_refused():
             resolve_kv_cache_dtype(bad, torch.float32)
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    model, hf = tiny_model("llama", seed=2, num_layers=2)
-    root = tmp_path_factory.mktemp("adapters")
-    targets = ("q_proj", "k_proj", "v_proj", "o_proj")
-    dirs = {
-        a: save_random_adapter(hf, root / a, targets=targets, r=r, seed=i + 1)
-        for i, (a, r) in enumerate(zip(AGENTS, (4, 8, 2), strict=True))
-    }
-    return model, dirs
-
-
 def _logits(engine) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, 90, (n,), generator=gen).tolist() for n in (14, 6, 9, 5, 7)]
@@ -55,8 +43,8 @@ def _logits(engine) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_a_16_bit_pool_under_an_fp32_model_for_every_method(pair, method):
-    model, dirs = pair
+def test_a_16_bit_pool_under_an_fp32_model_for_every_method(tiny, method):
+    model, dirs, _ = tiny
     ref_engine = make_engine(model, dirs, method)
     ref = _logits(ref_engine)
     scale = ref.abs().max()
