@@ -25,5 +25,6 @@ M=nonshared,fullshared,prelrshared,rebaseownshared-lp
   --baselines llama-cpp-q8_0 --repeats 3 --threads 2 \
   --json "$OUT/short_turns_int8.json" --markdown "$OUT/short_turns_int8.md"
 # the paper trace at fp32 against llama.cpp f32 (its best configuration, one slot per agent)
-"$P" bench trace --trace paper_L1024 --adapters qv --methods nonshared,fullshared,prelrshared \
-  --baselines llama-cpp-f32 --repeats 3 --threads 2 --json "$OUT/paper_L1024_fp32.json"
+"$P" bench trace --trace paper_L1024 --adapters qv --methods $M \
+  --baselines llama-cpp-f32 --repeats 3 --threads 2 --json "$OUT/paper_L1024_fp32.json" \
+  --markdown "$OUT/paper_L1024_fp32.md"
