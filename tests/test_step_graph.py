@@ -284,3 +284,21 @@ def test_a_context_past_4096_keys_decodes_in_the_same_graph(tmp_path, monkeypatc
     assert len(session.token_ids) > 4096 + 40
     assert counters["stats"]["unique_graphs"] == graphs  # no graph traced past 4,096 keys
     assert oracle.steps == 2 and oracle.logits_err <= FP32_LOGITS and oracle.pool_err <= 1e-4
+
+
+def test_fp32_products_split_over_the_threads_as_the_eager_forward(tiny, monkeypatch):
+    """With two threads at compile time the graph's fp32 products run as one batched product over
+    two slices of each weight (``split_product``, the eager ``linear``'s CPU path: MKL ran a
+    few-row product on one thread); the logits stay the eager forward's."""
+    _, dirs, _ = tiny
+    model, _ = tiny_model("llama", seed=0, num_layers=3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model.compile()
+    finally:
+        torch.set_num_threads(threads)
+    assert model.decode_graph.module.w.parts == 2
+    oracle = Oracle(monkeypatch)
+    run_script(make_engine(model, dirs, "prelrshared"))
+    assert oracle.steps >= 10 and oracle.logits_err <= FP32_LOGITS and oracle.pool_err <= 1e-4

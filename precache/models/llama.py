@@ -76,7 +76,7 @@ def split_product(
 ) -> torch.Tensor:
     """``x Wᵀ (+ bias)`` as one batched product over ``parts`` slices of ``weight``'s output rows
     (``weight.shape[0]`` divisible by ``parts``): :func:`linear`'s CPU path, and the products of
-    the compiled decode blocks (:mod:`precache.models.compiled`)."""
+    the compiled decode step (:mod:`precache.models.step_graph`)."""
     n, d_in = x.shape
     n_out = weight.shape[0]
     y = torch.bmm(

@@ -43,7 +43,7 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
 from precache.models.contract import DecodeStepInputs, DecodeStepOutputs
-from precache.models.llama import rms_norm
+from precache.models.llama import rms_norm, split_product
 from precache.models.quant import Int4Weight, Int8Weight
 from precache.models.rope import RotaryEmbedding
 from precache.terminal import progress
@@ -95,6 +95,10 @@ class _Weights(torch.nn.Module):
     def __init__(self, model):
         super().__init__()
         self.names: dict[tuple[int, str], str] = {}
+        #: fp32 products split over the threads as one batched product, as the eager forward's
+        #: ``linear`` does: MKL runs a few-row product on one thread, which on an AMD EPYC made the
+        #: compiled fp32 step 0.76x the eager one (benchmarks/RESULTS.md)
+        self.parts = torch.get_num_threads()
         self._add("embed", model.embed)
         self._add("norm", model.norm)
         self._add_weight("lm_head", model.lm_head)
@@ -130,7 +134,11 @@ class _Weights(torch.nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), q, self.int4_group, sz)
             y = y.to(x.dtype)
         else:
-            y = F.linear(x, getattr(self, name))
+            weight = getattr(self, name)
+            if self.parts > 1 and weight.dtype == torch.float32 and weight.shape[0] % self.parts == 0:
+                y = split_product(x, weight, None, self.parts)
+            else:
+                y = F.linear(x, weight)
         if bias is not None and hasattr(self, bias):
             y = y + getattr(self, bias)
         return y
