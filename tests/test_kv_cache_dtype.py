@@ -72,3 +72,30 @@ def test_a_bf16_pool_decodes_as_an_fp32_pool_greedy():
         s.append(list(range(3, 40)))
         outs.append(s.generate(agent=None, max_new_tokens=12, temperature=0.0).token_ids)
     assert outs[0] == outs[1]
+
+
+def test_a_replica_spec_honours_the_cache_dtype_and_swap_space(tiny, monkeypatch):
+    """``serve --replicas`` builds each replica's engine from an ``EngineSpec``: the options it
+    carries reach the engine (the load itself replaced by the tiny model)."""
+    import precache
+    from precache.cluster.app import EngineSpec
+
+    model, dirs, _ = tiny
+    seen = {}
+
+    def fake_load(path, **options):
+        seen.update(options)
+        model.kv_cache_dtype = options["kv_cache_dtype"]  # what load_model does with it
+        return model
+
+    monkeypatch.setattr(precache, "load_model", fake_load)
+    spec = EngineSpec(
+        "unused", {a: str(d) for a, d in dirs.items()}, kv_cache_dtype="bfloat16", swap_space_bytes=2**20
+    )
+    try:
+        engine = spec()
+        assert seen["kv_cache_dtype"] == "bfloat16"
+        assert engine.pool.k.dtype == torch.bfloat16
+        assert engine.swap_usage()["capacity"] == 2**20
+    finally:
+        model.kv_cache_dtype = None

@@ -112,6 +112,7 @@ class EngineSpec:
     quantization: str | None = None  # "int8": int8 weight-only (precache.models.quant)
     compile: bool | None = None  # the compiled decode step (precache.models.step_graph); None: on a CPU
     kv_cache_dtype: str = "auto"  # the block pool's dtype (precache.models.quant.resolve_kv_cache_dtype)
+    swap_space_bytes: int | None = None  # each replica's host swap space (None: a quarter of RAM)
 
     def __call__(self):
         dtype = getattr(torch, self.dtype) if self.dtype else None
@@ -124,7 +125,11 @@ class EngineSpec:
             kv_cache_dtype=self.kv_cache_dtype,
         )
         return precache.Engine(
-            model, adapters=self.adapters, method=self.method, kv_cache_bytes=self.kv_cache_bytes
+            model,
+            adapters=self.adapters,
+            method=self.method,
+            kv_cache_bytes=self.kv_cache_bytes,
+            swap_space_bytes=self.swap_space_bytes,
         )
 
 
@@ -329,6 +334,7 @@ def serve_from_args(args) -> int:
         args.quantization,
         False if args.eager else None,
         args.kv_cache_dtype,
+        args.swap_space,
     )
     cluster = ClusterConfig(
         replicas=args.replicas or 1,
