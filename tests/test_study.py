@@ -15,10 +15,10 @@ from peft import PeftModel
 import precache
 from precache.agents import prompt
 from precache.agents.data import load_questions
-from precache.bench.study import ROLES, plan_runs
-from precache.bench.study_figure2 import transition_errors
-from precache.bench.study_run import scaled_adapter
-from precache.bench.study_stats import matching_turns
+from precache.bench.study.cli import ROLES, plan_runs
+from precache.bench.study.figure2 import transition_errors
+from precache.bench.study.run import scaled_adapter
+from precache.bench.study.stats import matching_turns
 from precache.cli import main
 from precache.engine import Turn
 from precache.errors import AdapterError
@@ -288,7 +288,7 @@ def test_a_point_run_with_other_adapter_weights_is_refused(smollm_vocab, monkeyp
     import shutil
 
     from precache.agents.train import store_adapter_as
-    from precache.bench.study_store import adapters_fingerprint
+    from precache.bench.study.store import adapters_fingerprint
     from precache.lora.adapter import load_adapter
 
     model, root = smollm_vocab
@@ -349,7 +349,7 @@ def test_shards_fill_one_study_between_them(smollm_vocab, monkeypatch, tmp_path,
 
 
 def test_figure2_means_cover_hand_overs_only():
-    from precache.bench.study_figure2 import summarize_transitions
+    from precache.bench.study.figure2 import summarize_transitions
 
     def transition(previous, current, k, h0, hp):
         errors = {m: [k, k] for m in ("fullshared", "prelrshared", "rebaseshared")}
@@ -378,7 +378,7 @@ def test_figure2_means_cover_hand_overs_only():
 
 
 def test_sign_test_matches_the_binomial_tail():
-    from precache.bench.study_stats import sign_test
+    from precache.bench.study.stats import sign_test
 
     assert sign_test(0, 0) == 1.0 and sign_test(3, 3) == 1.0
     assert sign_test(5, 0) == pytest.approx(2 / 32)  # 2 * P[X <= 0], X ~ Bin(5, 1/2)
@@ -390,7 +390,7 @@ def test_sign_test_matches_the_binomial_tail():
 
 def test_paired_counts_questions_where_one_method_scores_higher():
     from precache.agents.benchmark import SCIENCEQA
-    from precache.bench.study_stats import paired
+    from precache.bench.study.stats import paired
 
     def q(a_agrees, a_acc, b_agrees, b_acc):
         return {
@@ -418,7 +418,7 @@ def test_methods_added_to_a_stored_point_run_alone(smollm_vocab, monkeypatch, tm
     the teacher-forced records replayed again; point.json lists the union."""
     import gzip
 
-    from precache.bench import study_store
+    from precache.bench.study import store as study_store
 
     model, root = smollm_vocab
     monkeypatch.setattr(precache, "load_model", lambda *a, **k: model)

@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from precache.bench.study_stats import sign_test
-from precache.bench.study_uncertainty import (
+from precache.bench.study.stats import sign_test
+from precache.bench.study.uncertainty import (
     bootstrap_ci,
     conclusion,
     method_intervals,

@@ -25,7 +25,7 @@ from precache.bench.llama_cpp import llama_cpp_runners, parse_baselines
 from precache.bench.replay import replay_engine
 from precache.bench.serve import add_bench_serve
 from precache.bench.soak import add_bench_soak
-from precache.bench.study import add_study
+from precache.bench.study.cli import add_study
 from precache.bench.suite import run_suite
 from precache.bench.trace import check_fits, load_trace, token_stream
 from precache.cli_args import model_options, positive_int

@@ -2,8 +2,8 @@
 
 Every phase runs ``concurrency`` episodes at once, their forwards batched in each engine
 (:func:`~precache.engine.concurrency.run_concurrently`), and stores each group's per-question
-results (:class:`~precache.bench.study_store.PointStore`) before the next starts: the tables are
-aggregated from the stored questions (:mod:`precache.bench.study_stats`), so a stopped study
+results (:class:`~precache.bench.study.store.PointStore`) before the next starts: the tables are
+aggregated from the stored questions (:mod:`precache.bench.study.stats`), so a stopped study
 resumes and a finished one only rebuilds its report.
 """
 
@@ -19,10 +19,10 @@ import precache
 from precache.agents.loop import run_episode
 from precache.bench.episodes import RecordingSession
 from precache.bench.fidelity import REFERENCE, compare_trajectory
-from precache.bench.study_figure2 import summarize_transitions, trajectory_transitions
-from precache.bench.study_stats import paired, question_record, rebase_beats, table
-from precache.bench.study_store import PointStore, adapters_fingerprint, revision
-from precache.bench.study_uncertainty import uncertainty
+from precache.bench.study.figure2 import summarize_transitions, trajectory_transitions
+from precache.bench.study.stats import paired, question_record, rebase_beats, table
+from precache.bench.study.store import PointStore, adapters_fingerprint, revision
+from precache.bench.study.uncertainty import uncertainty
 from precache.engine.concurrency import run_concurrently
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def run_questions(
     errors of the forced replay are measured for those only). Returns one
     dict per question: ``{"id", "methods": {method: question_record}}`` (each free-run row with the
     method's ``revision``; an engine not run free gets only ``{"forced": ...}``), plus
-    ``"figure2"`` (the :func:`~precache.bench.study_figure2.trajectory_transitions` of the recorded
+    ``"figure2"`` (the :func:`~precache.bench.study.figure2.trajectory_transitions` of the recorded
     trajectory) when ``model`` and ``adapters`` are given. ``episode_kwargs`` go to
     :func:`~precache.agents.loop.run_episode`."""
     free = list(engines) if free is None else [REFERENCE, *(m for m in free if m != REFERENCE)]
@@ -272,10 +272,10 @@ def run_study(
     each scale of ``scales`` runs :data:`SWEEP_METHODS` among ``methods`` on adapters scaled by it
     (:func:`scaled_adapter`; scale 1 is the table's run) on the first ``sweep_limit`` questions
     (default: all). Returns ``{"questions", "sweep_questions", "table", "uncertainty"
-    (:func:`~precache.bench.study_uncertainty.uncertainty`), "paired", "figure2",
+    (:func:`~precache.bench.study.uncertainty.uncertainty`), "paired", "figure2",
     "sweep": {scale: {"methods": {method: row}, "rebase_beats": {measure: bool}, "paired"}}}``
     (``paired``: ReBaseShared-LP against PreLRShared question by question,
-    :func:`~precache.bench.study_stats.paired`; ``paired_own``: ReBaseOwnShared-LP against each of
+    :func:`~precache.bench.study.stats.paired`; ``paired_own``: ReBaseOwnShared-LP against each of
     PreLRShared and ReBaseShared-LP, empty where a method did not run).
 
     With ``shard = (i, n)`` only this process's share of every point runs (:func:`run_point`)

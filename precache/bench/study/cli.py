@@ -1,25 +1,5 @@
-"""``precache study``: the PReCache paper's comparison on our engine (issue 12, "The study").
-
-Per benchmark x adapter set, on the questions of one split:
-
-- the paper-style table (:func:`~precache.bench.study_stats.table`), at adapter scale 1: the
-  benchmark's accuracy (HotpotQA: EM / F1; ScienceQA: option accuracy), its drop against NonShared
-  (NonShared minus the method, so a positive drop is a loss), answer agreement with NonShared
-  (:func:`precache.agents.evaluate.summarize`), ``turn_match``
-  (:func:`~precache.bench.study_stats.matching_turns`), the sum of TTFT (seconds) and of prefill
-  tokens over every turn, and the teacher-forced KL / top-1 of :mod:`precache.bench.fidelity` on
-  the recorded NonShared trajectories;
-- the paper's Figure 2 diagnostic (:func:`~precache.bench.study_figure2.transition_errors`) on
-  those recorded trajectories;
-- the adapter-strength sweep: every adapter's B (and LoRA bias) scaled by each factor
-  (:func:`~precache.bench.study_run.scaled_adapter`), the same measures for NonShared, PreLRShared
-  and ReBaseShared (LP).
-
-This module is the command line; the work is split by job: :mod:`~precache.bench.study_run`
-(running and resuming the points), :mod:`~precache.bench.study_store` (the stored questions),
-:mod:`~precache.bench.study_stats` (the table and the paired tests), and
-:mod:`~precache.bench.study_figure2` / :mod:`~precache.bench.study_plots` (Figure 2, the report).
-"""
+"""The command line of ``precache study`` (:mod:`precache.bench.study`): its flags, checked before
+the model loads, and the run over every benchmark x adapter set that writes the report."""
 
 from __future__ import annotations
 
@@ -36,8 +16,8 @@ import precache
 from precache.agents.benchmark import get_benchmark
 from precache.bench import report
 from precache.bench.common import methods_with_reference
-from precache.bench.study_run import run_study
-from precache.bench.study_store import StoredResultsError
+from precache.bench.study.run import run_study
+from precache.bench.study.store import StoredResultsError
 from precache.cli_args import positive_int
 from precache.errors import AdapterError
 from precache.lora.adapter import load_adapter
@@ -196,7 +176,7 @@ def _report_config(args: argparse.Namespace, runs: dict) -> dict:
 
 
 def _study(args: argparse.Namespace) -> int:
-    from precache.bench import study_plots  # matplotlib: only to draw the report
+    from precache.bench.study import plots  # matplotlib: only to draw the report
 
     _check_flags(args)
     if args.threads:
@@ -223,9 +203,9 @@ def _study(args: argparse.Namespace) -> int:
         raise StoredResultsError(f"nothing stored under {out / 'questions'} to report on")
     results["config"] = _report_config(args, results["runs"])
     report.write_json(results, out / "study.json")
-    markdown = study_plots.study_markdown(results)
+    markdown = plots.study_markdown(results)
     (out / "study.md").write_text(markdown, encoding="utf-8")
-    study_plots.plot_study(results, out)
+    plots.plot_study(results, out)
     console().print(markdown)
     return 0
 

@@ -1,8 +1,8 @@
 """The statistics of ``precache study`` (:mod:`precache.bench.study`): one question's record, the
 paper-style table over the stored questions, and the question-by-question comparison of two methods.
 
-Everything here is plain Python over the JSON-ready entries that :mod:`precache.bench.study_run`
-produces and :class:`~precache.bench.study_store.PointStore` keeps: no model, no engine.
+Everything here is plain Python over the JSON-ready entries that :mod:`precache.bench.study.run`
+produces and :class:`~precache.bench.study.store.PointStore` keeps: no model, no engine.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def matching_turns(turns: list, reference: list) -> int:
 
 def question_record(episode, reference, benchmark, question, forced: dict) -> dict:
     """What the table keeps of one method on one question (JSON-ready, stored by
-    :class:`~precache.bench.study_store.PointStore`): ``answer``, each of ``benchmark.metrics``,
+    :class:`~precache.bench.study.store.PointStore`): ``answer``, each of ``benchmark.metrics``,
     ``agrees`` (the answer's ``benchmark.answer_key`` equals the reference's), ``matched``
     (:func:`matching_turns`) and ``reference_turns``, the sums of TTFT (seconds) and prefill tokens
     over its turns, and ``forced``: the teacher-forced per-turn records of

@@ -2,13 +2,13 @@
 intervals over questions, the paired test of each method against NonShared, stop reasons per
 method, and the line that says which differences are inside noise.
 
-Plain numpy over the stored per-question records of :func:`~precache.bench.study_stats.question_record`
+Plain numpy over the stored per-question records of :func:`~precache.bench.study.stats.question_record`
 (no scipy in the environment). Intervals are percentile bootstrap intervals (Efron & Tibshirani, "An
 Introduction to the Bootstrap", 1993, ch. 13): resample the questions with replacement, recompute the
 figure, take the 2.5th and 97.5th percentiles. A figure pooled over turns or tokens (the
 teacher-forced KL) is resampled by question too, as a ratio of per-question sums, so the turns of one
 question stay together. The paired test is the exact sign test of
-:func:`~precache.bench.study_stats.sign_test` (McNemar's exact test for 0/1 measures).
+:func:`~precache.bench.study.stats.sign_test` (McNemar's exact test for 0/1 measures).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections import Counter
 import numpy as np
 
 from precache.bench.fidelity import REFERENCE
-from precache.bench.study_stats import sign_test
+from precache.bench.study.stats import sign_test
 
 RESAMPLES = 2000
 LEVEL = 0.95

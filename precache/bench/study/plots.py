@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from precache.bench.plots import plt, save_figure
-from precache.bench.study_uncertainty import uncertainty_markdown
+from precache.bench.study.uncertainty import uncertainty_markdown
 
 HIDDEN_LABELS = {"neutral": "||h^0 - h^c|| / ||h^c||", "previous": "||h^p - h^c|| / ||h^c||"}
 
