@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 22 A/B of the decode step profile (benchmarks/decode_profile.py): BEFORE (a checkout of the
+# A/B of the decode step profile (benchmarks/decode_profile.py): BEFORE (a checkout of the
 # code before a change) against this checkout, interleaved REPEATS times, each side importing its
 # own package (PYTHONPATH), on a quiet machine. Prints each run's markdown table.
-#   BEFORE=/work/before OUT=/tmp/step_ab benchmarks/issue22_step_ab.sh
+#   BEFORE=/work/before OUT=/tmp/step_ab benchmarks/decode_step_ab.sh
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")/.." && pwd)"
 PY="${PY:-$HERE/.venv/bin/python}"

@@ -1,10 +1,10 @@
-"""Issue 23's summary of a study report: per point, the methods the issue compares (agreement with
-NonShared, turn match, teacher-forced KL and K errors, prefill tokens, prefill per turn of the free
-runs, KV MiB), its targets, and the sign tests of ReBaseOwnShared-LP against PreLRShared and
-ReBaseShared-LP. Reads ``study.json`` (``precache study ... --report-only``) and the stored
+"""The method table of a study report (issue 23's summary): per point, the methods the issue
+compares (agreement with NonShared, turn match, teacher-forced KL and K errors, prefill tokens,
+prefill per turn of the free runs, KV MiB), its targets, and the sign tests of ReBaseOwnShared-LP
+against PreLRShared and ReBaseShared-LP. Reads ``study.json`` (``precache study ... --report-only``) and the stored
 questions for the per-turn prefill; prints markdown.
 
-    .venv/bin/python benchmarks/issue23_report.py benchmarks/results/study
+    .venv/bin/python benchmarks/study_method_table.py benchmarks/results/study
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The markdown table of benchmarks/issue20_ab.sh's results: min / median / max over the repeats."""
+"""The markdown table of benchmarks/regression_ab.sh's results: min / median / max over the repeats."""
 
 from __future__ import annotations
 
@@ -55,4 +55,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/issue20"))
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/regression_ab"))

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Issue 22's comparison with llama.cpp (needs `make llama-cpp`), on a quiet machine, 2 threads:
-# every side of each table in one `bench trace` run, 3 repeats (min / median / max in RESULTS.md).
+# precache's trace replay against llama.cpp's llama-server with the eager engine's settings of
+# issue 22 (needs `make llama-cpp`), on a quiet machine, 2 threads: every side of each table in
+# one `bench trace` run, 3 repeats (min / median / max in RESULTS.md; tables by
+# `python benchmarks/trace_report.py <json>`).
 set -euo pipefail
 P="${PRECACHE:-.venv/bin/precache}"
 OUT="${OUT:-benchmarks/results}"

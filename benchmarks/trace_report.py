@@ -1,7 +1,8 @@
-"""Tables of `benchmarks/issue22_llama_cpp.sh`'s runs: per method and baseline, min / median / max
-over the repeats of sum TTFT, latency and decode tokens/s, and the issue's ratios per repeat.
+"""Tables of `bench trace` JSON files (`benchmarks/trace_vs_llama_cpp.sh`,
+`decode_compiled_vs_llama_cpp.sh`): per method and baseline, min / median / max over the repeats of
+sum TTFT, latency and decode tokens/s, and PreLRShared's ratios to the others per repeat.
 
-    python benchmarks/issue22_report.py benchmarks/results/llama_cpp_paper_L1024_fp32.json ...
+    python benchmarks/trace_report.py benchmarks/results/llama_cpp_paper_L1024_fp32.json ...
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Issue 20, old against new in one run on a quiet machine: TTFT and decode of paper_L1024 and
-# short_turns (PreLRShared and the NonShared reference, 3 repeats), the 32-conversation server
-# load (3 repeats), and the livelock case (16 requests on a 76-block pool, 3 repeats; a side that
+# Old code against new in one run on a quiet machine (the no-regression check of a change): TTFT
+# and decode of paper_L1024 and short_turns (PreLRShared and the NonShared reference, 3 repeats),
+# the 32-conversation server load (3 repeats), and the livelock case (16 requests on a 76-block pool, 3 repeats; a side that
 # does not answer every request by the deadline stops there).
-# Usage: OLD=<checkout of the old code> [DEADLINE=450] benchmarks/issue20_ab.sh [OUT]
+# Usage: OLD=<checkout of the old code> [DEADLINE=450] benchmarks/regression_ab.sh [OUT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OLD=${OLD:?set OLD to a checkout of the code before the change}
-OUT=$(realpath -m "${1:-benchmarks/results/issue20}")
+OUT=$(realpath -m "${1:-benchmarks/results/regression_ab}")
 HERE=$PWD
 PY=$HERE/.venv/bin/python
 export HF_HUB_OFFLINE=1
@@ -27,4 +27,4 @@ for side in old new; do
   done
   run "$HERE/benchmarks/livelock.py" --requests 16 --repeats 3 --deadline "${DEADLINE:-450}" | tee "$OUT/livelock_$side.jsonl"
 done
-"$PY" "$HERE/benchmarks/issue20_report.py" "$OUT"
+"$PY" "$HERE/benchmarks/regression_ab_report.py" "$OUT"

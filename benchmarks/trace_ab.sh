@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Issue 22 A/B: the same trace, before (BEFORE: a checkout of the code before the decode work) and
-# after (this checkout), each side run from inside its own checkout (`python -m` puts the working
+# A/B of one trace replay: the same trace, before (BEFORE: a checkout of the code before a
+# change) and after (this checkout), each side run from inside its own checkout (`python -m` puts the working
 # directory first on sys.path), one after the other on a quiet machine.
-#   BEFORE=/work/before TRACE=short_turns OUT=/tmp/ab22 benchmarks/issue22_ab.sh
+#   BEFORE=/work/before TRACE=short_turns OUT=/tmp/trace_ab benchmarks/trace_ab.sh
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")/.." && pwd)"
 PY="${PY:-$HERE/.venv/bin/python}"
 TRACE="${TRACE:-short_turns}"
-OUT="${OUT:-/tmp/ab22}"
+OUT="${OUT:-/tmp/trace_ab}"
 METHODS="${METHODS:-nonshared,fullshared,prelrshared}"
 mkdir -p "$OUT"
 for side in before after; do
