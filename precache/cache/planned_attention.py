@@ -78,7 +78,7 @@ Layout = list[tuple[int, int, int]]
 
 
 class PlannedAttention:
-    """The :class:`~precache.models.contract.AttentionBackend` that writes the plans' cache entries
+    """The :class:`~precache.models.contract.LayerAttention` that writes the plans' cache entries
     at each layer, then runs the attention ``backend`` over every row at once.
 
     Rows with a :class:`~precache.cache.rowplan.Recompute` are narrowed at their layer boundaries

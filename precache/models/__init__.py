@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from precache.compute import on_compute
 from precache.errors import ModelLoadError
 from precache.models.config import MODEL_REGISTRY, ModelConfig
-from precache.models.contract import AttentionBackend, LayerInput, Row
+from precache.models.contract import LayerAttention, LayerInput, Row
 from precache.models.llama import DenseAttention, LlamaModel, dense_logits
 from precache.models.loader import checkpoint_name, embedded_checkpoint, resolve_checkpoint
 from precache.models.quant import QUANTIZATIONS, check_quantization, resolve_kv_cache_dtype
@@ -142,8 +142,8 @@ def model_from_hf(
 __all__ = [
     "MODEL_REGISTRY",
     "TOKENIZER_FILES",
-    "AttentionBackend",
     "DenseAttention",
+    "LayerAttention",
     "LayerInput",
     "LlamaModel",
     "ModelConfig",

@@ -2,8 +2,11 @@
 hands to attention, and the protocols both sides implement.
 
 ``precache.cache`` imports only this module from ``precache.models``: a new model family is a new
-file that builds :class:`LayerInput` s and calls an :class:`AttentionBackend` at each layer; a new
-cache layout or kernel implements :class:`AttentionBackend` and never imports a model.
+file that builds :class:`LayerInput` s and calls a :class:`LayerAttention` at each layer; a cache
+layout implements :class:`LayerAttention` (the cache's is
+:class:`~precache.cache.planned_attention.PlannedAttention`) and never imports a model. (An
+attention *kernel* is another interface, one level down:
+:class:`precache.cache.attention.AttentionBackend`, which ``PlannedAttention`` calls.)
 """
 
 from __future__ import annotations
@@ -101,8 +104,9 @@ class Narrowing:
     rows: list[Row]
 
 
-class AttentionBackend(Protocol):
-    """Writes cache entries for a layer and returns the attention output ``[N, n_heads * head_dim]``.
+class LayerAttention(Protocol):
+    """What a model calls at each layer: writes that layer's cache entries (if it keeps a cache) and
+    returns the attention output ``[N, n_heads * head_dim]`` of every row of the batch.
 
     A backend may also define ``narrow(layer) -> Narrowing | None``, called after each layer's
     MLP: the model then carries only the kept tokens through the later layers (the recompute hook

@@ -1,6 +1,6 @@
 """Our own Llama-family forward (Llama, Mistral, Qwen2, Qwen3) over a flattened, mixed-adapter batch.
 
-The model owns no cache. Each layer hands its attention input to an :class:`AttentionBackend`
+The model owns no cache. Each layer hands its attention input to a :class:`LayerAttention`
 (a sharing method's cache plan, or :class:`DenseAttention` for a cache-free pass), which decides
 which cache entries to write from which hidden states and which view each row attends to
 (DESIGN.md, "The sharing methods"). Adding a sharing method therefore never touches this file.
@@ -18,7 +18,7 @@ from transformers.activations import ACT2FN
 
 from precache.errors import ContextLengthError, ModelLoadError
 from precache.models.config import MODEL_REGISTRY, ModelConfig
-from precache.models.contract import AttentionBackend, LayerInput, Row
+from precache.models.contract import LayerAttention, LayerInput, Row
 from precache.models.quant import QUANTIZED_WEIGHTS, check_quantizable, check_quantization, quantize_weight
 from precache.models.rope import RotaryEmbedding, static_position_limit
 
@@ -300,7 +300,7 @@ class LlamaModel:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         rows: list[Row],
-        attention: AttentionBackend,
+        attention: LayerAttention,
         logits_at: list[int] | None = None,
     ) -> torch.Tensor:
         """Run the flattened batch and return logits ``[len(logits_at), vocab]`` (fp32).
