@@ -36,6 +36,13 @@ def special_ids(model) -> list[int]:
     return list(getattr(model.tokenizer, "all_special_ids", []) or [])
 
 
+def ordinary_ids(model) -> list[int]:
+    """Every token id of ``model``'s vocabulary but the special ones (:func:`special_ids`), in
+    order: what a random prompt is drawn from."""
+    special = set(special_ids(model))
+    return [i for i in range(model.config.vocab_size) if i not in special]
+
+
 def add_common_args(parser: argparse.ArgumentParser, default_methods: str | None) -> None:
     """``--adapters --model --dtype --json --markdown --threads`` (and ``--methods`` unless None)."""
     if default_methods is not None:

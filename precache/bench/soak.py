@@ -23,6 +23,9 @@ engine (must be 0: no tenant's tokens depend on the load, nor on a replica dying
 still held once every idle conversation is dropped, on every live replica (must be 0: nothing
 leaked). ``--idle-conversations N`` adds a phase of N idle conversations against a bounded host
 swap space (:mod:`precache.bench.soak_idle`): the RSS it adds stays within ``--swap-space``.
+
+The clients are :mod:`precache.bench.soak_load`'s, the servers :mod:`precache.bench.soak_target`'s;
+this module drives them, checks the tokens and reports.
 """
 
 from __future__ import annotations
@@ -30,239 +33,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import random
-import socket
 import threading
 import time
-from collections.abc import Callable
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 import precache
+from precache.bench.common import ordinary_ids
+from precache.bench.soak_load import MAX_TOKENS, SoakLoad
+from precache.bench.soak_target import Target, cluster, one_server, server_metrics
 from precache.cli_args import positive_float, positive_int
 from precache.terminal import console
 
 logger = logging.getLogger(__name__)
-
-PROMPT_LEN, MAX_TOKENS = 24, 8
-STALL_TOKENS = 120
-
-
-def _parse_sse(lines: list[str]) -> tuple[list[int] | None, tuple[int, str] | None]:
-    """``(token ids of a finished choice, (status, code) of an error event)`` of a stream's lines."""
-    tokens, error = None, None
-    for line in lines:
-        if not line.startswith("data: {"):
-            continue
-        data = json.loads(line.removeprefix("data: "))
-        if "error" in data:
-            error = (int(data["error"].get("status", 0) or 0), data["error"].get("code") or "none")
-        for choice in data.get("choices", []):
-            if choice.get("finish_reason") is not None:
-                tokens = choice.get("token_ids")
-    return tokens, error
-
-
-class _Soak:
-    def __init__(
-        self, url: str, agents: list[str], vocab: list[int], tenants: int, seed: int, deadline: float
-    ):
-        self.url, self.agents, self.vocab, self.deadline = url, agents, vocab, deadline
-        self.tenants, self.seed = tenants, seed
-        self.lock = threading.Lock()
-        self.completed: list[dict] = []  # {agent, prompt, tokens, tenant}
-        self.outcomes: dict[str, int] = {}
-        self.stalls = self.slowloris_closed = 0
-
-    def _count(self, outcome: str) -> None:
-        with self.lock:
-            self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
-
-    def tenant(self, index: int) -> None:
-        rng = random.Random(self.seed * 1000 + index)
-        salt = f"soak-tenant-{self.seed}-{index}"
-        with httpx.Client(timeout=120) as client:
-            while time.monotonic() < self.deadline:
-                prompt = [rng.choice(self.vocab) for _ in range(PROMPT_LEN)]
-                agent, stream = rng.choice(self.agents), rng.random() < 0.5
-                hang_up = stream and rng.random() < 0.2
-                body = {
-                    "model": agent, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                    "ignore_eos": True, "cache_salt": salt, "return_token_ids": True, "stream": stream,
-                }  # fmt: skip
-                try:
-                    tokens = self._send(client, body, hang_up)
-                except httpx.HTTPError as exc:
-                    self._count(f"client error {type(exc).__name__}")
-                    continue
-                if tokens is not None:
-                    with self.lock:
-                        self.completed.append(
-                            {"agent": agent, "prompt": prompt, "tokens": tokens, "tenant": index}
-                        )
-
-    def _send(self, client: httpx.Client, body: dict, hang_up: bool) -> list[int] | None:
-        if not body["stream"]:
-            r = client.post(self.url + "/completions", json=body)
-            if r.status_code != 200:
-                self._count(f"{r.status_code} {r.json().get('error', {}).get('code')}")
-                return None
-            self._count("200 whole")
-            return r.json()["choices"][0]["token_ids"]
-        lines = []
-        with client.stream("POST", self.url + "/completions", json=body) as r:
-            if r.status_code != 200:
-                r.read()
-                self._count(f"{r.status_code} {r.json().get('error', {}).get('code')}")
-                return None
-            for line in r.iter_lines():
-                lines.append(line)
-                if hang_up and sum(1 for x in lines if x.startswith("data: {")) >= 2:
-                    self._count("stream hung up by the client")
-                    return None
-        tokens, error = _parse_sse(lines)
-        if error is not None:
-            self._count(f"stream error {error[1]}")
-            return None
-        self._count("200 stream")
-        return tokens
-
-    def stalled_reader(self, host: str, port: int, hold_s: float) -> None:
-        body = json.dumps(
-            {"model": self.agents[0], "prompt": self.vocab[:PROMPT_LEN], "max_tokens": STALL_TOKENS,
-             "temperature": 0, "ignore_eos": True, "stream": True, "logprobs": 20, "n": 4,
-             "cache_salt": f"soak-stalled-{self.seed}"}
-        ).encode()  # fmt: skip
-        head = (
-            f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\n\r\n"
-        ).encode()
-        while time.monotonic() + hold_s < self.deadline:
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
-            sock.connect((host, port))
-            sock.sendall(head + body)
-            time.sleep(hold_s)  # never read
-            sock.close()
-            with self.lock:
-                self.stalls += 1
-
-    def slowloris(self, host: str, port: int, sockets: int) -> None:
-        request = f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-length: 10\r\n".encode()
-        open_: list[list] = []  # [socket, bytes sent]
-        while time.monotonic() < self.deadline:
-            while len(open_) < sockets:
-                s = socket.create_connection((host, port), timeout=5)
-                s.setblocking(False)
-                open_.append([s, 0])
-            for entry in list(open_):
-                s, sent = entry
-                try:
-                    if sent < len(request):
-                        s.send(request[sent : sent + 1])
-                        entry[1] += 1
-                    if s.recv(4096) == b"":
-                        raise ConnectionError
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    s.close()
-                    open_.remove(entry)
-                    with self.lock:
-                        self.slowloris_closed += 1
-            time.sleep(0.5)
-        for s, _ in open_:
-            s.close()
-
-
-def _metrics(url: str) -> tuple[dict[str, float], dict[str, float]]:
-    """``(the refusal, error and request counters by sample line, each server process's RSS in MiB
-    by replica)`` of ``/metrics`` (one server: replica ``"server"``)."""
-    text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=30).text
-    counters: dict[str, float] = {}
-    rss: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(("precache_refused_total", "precache_errors_total", "precache_requests_total")):
-            name, value = line.rsplit(" ", 1)
-            counters[name] = float(value)
-        elif line.startswith("process_resident_memory_bytes"):
-            name, value = line.rsplit(" ", 1)
-            replica = name.split('replica="', 1)[1].split('"', 1)[0] if "replica=" in name else "server"
-            rss[replica] = round(float(value) / 2**20, 1)
-    return counters, rss
-
-
-@dataclass
-class _Target:
-    """The server under soak: its URL, host and port, ``release()`` (each live server's
-    :meth:`~precache.server.loop.ServerLoop.release_idle` counts, with ``"replica"``), and
-    ``kill()`` (a replica's crash; None for one server) returning the replica killed."""
-
-    url: str
-    host: str
-    port: int
-    release: Callable[[], list[dict]]
-    kill: Callable[[], str] | None = None
-
-
-@contextmanager
-def _one_server(model, adapters: dict, method: str, kv_cache_bytes: int | None, config):
-    from precache.server import LiveServer, create_app
-    from precache.server.connections import ConnectionLimits
-
-    engine = precache.Engine(model, adapters=adapters, method=method, kv_cache_bytes=kv_cache_bytes)
-    limits = ConnectionLimits(max_connections=64, header_timeout_s=2.0, body_timeout_s=2.0)
-    app = create_app(engine, config)
-    with LiveServer(app, limits=limits, shutdown_timeout_s=5) as server:
-
-        def release() -> list[dict]:
-            return [{"replica": "server", **app.state.loop.release_idle()}]
-
-        yield _Target(server.url, server.host, server.port, release)
-
-
-@contextmanager
-def _cluster(
-    model_arg,
-    adapters: dict,
-    method: str,
-    kv_cache_bytes: int | None,
-    config,
-    replicas: int,
-    compile: bool | None,
-):
-    from precache.cluster import require_ray
-
-    require_ray()
-    from precache.cluster.app import ClusterConfig, ClusterServer, EngineSpec, checkpoint_app, local_cpus
-    from precache.models.loader import resolve_checkpoint
-
-    folder = resolve_checkpoint(model_arg)
-    folders = {name: str(Path(path).resolve()) for name, path in adapters.items()}
-    spec = EngineSpec(str(folder), folders, method, kv_cache_bytes, compile=compile)
-    cluster = ClusterConfig(replicas=replicas, num_cpus_per_replica=1.0, shutdown_timeout_s=5.0)
-    app = checkpoint_app(folder, spec, config, cluster)
-    with ClusterServer(app, port=0, num_cpus=local_cpus(cluster)) as server:
-        killed: list[str] = []
-
-        def kill() -> str:
-            killed.append(server.replica_ids()[0])
-            server.kill_replica(killed[-1])
-            return killed[-1]
-
-        def release() -> list[dict]:
-            deadline = time.monotonic() + 120  # Ray Serve replaces a killed replica: wait for it
-            while time.monotonic() < deadline:
-                ids = server.replica_ids()
-                if len(ids) == replicas and not set(killed) & set(ids):
-                    break
-                time.sleep(0.5)
-            return server.release_idle()
-
-        yield _Target(server.url, server.host, server.port, release, kill)
 
 
 def run_soak(model, adapters: dict, method: str, duration_s: float, tenants: int, kv_cache_bytes: int | None, seed: int,
@@ -271,74 +53,95 @@ def run_soak(model, adapters: dict, method: str, duration_s: float, tenants: int
     """Run the soak described in the module docstring; returns the report (JSON-ready).
     ``model`` is the loaded model (the verification engine's, and one server's); with
     ``replicas``, each replica loads ``model_arg`` (a checkpoint path; None: the embedded model)
-    itself, with ``compile`` (None: the compiled decode step on a CPU). ``stall_hold_s``: how long each stalled reader keeps its socket open without reading
-    (well past the servers' 2 s stall timeout once its buffers are full)."""
+    itself, with ``compile`` (None: the compiled decode step on a CPU). ``stall_hold_s``: how long
+    each stalled reader keeps its socket open without reading (well past the servers' 2 s stall
+    timeout once its buffers are full)."""
     from precache.server import ServerConfig
 
     config = ServerConfig(
         model_name="base", stream_buffer_events=16, stream_stall_timeout_s=2.0, max_requests_in_flight=64
     )
-    special = set(getattr(model.tokenizer, "all_special_ids", []) or [])
-    vocab = [i for i in range(model.config.vocab_size) if i not in special]
+    if replicas:
+        target = cluster(model_arg, adapters, method, kv_cache_bytes, config, replicas, compile)
+    else:
+        target = one_server(model, adapters, method, kv_cache_bytes, config)
+    with target as server:
+        load = SoakLoad(
+            server.url, list(adapters), ordinary_ids(model), tenants, seed, time.monotonic() + duration_s
+        )
+        run = _drive(server, load, duration_s, stall_hold_s)
+    checked = load.completed[:verify_limit]
+    return {
+        "method": method,
+        "duration_s": duration_s,
+        "tenants": tenants,
+        "replicas": replicas,
+        "replica_killed": run["replica_killed"],
+        "replica_killed_at_s": run["replica_killed_at_s"],
+        "kv_cache_bytes": kv_cache_bytes,
+        "pool_blocks": {r["replica"]: r["blocks"] for r in run["released"]},
+        "outcomes": dict(sorted(load.outcomes.items())),
+        "completed": len(load.completed),
+        "checked_alone": len(checked),
+        "tokens_differing_from_alone": _differ_from_alone(model, adapters, method, checked),
+        "stalled_readers": load.stalls,
+        "slowloris_sockets_closed": load.slowloris_closed,
+        "server_metrics": run["server_metrics"],
+        "rss_mib": run["rss_mib"],
+        "released": run["released"],
+        "blocks_leaked": sum(r["blocks"] - r["blocks_free"] for r in run["released"]),
+        "sessions_left": sum(r["sessions_left"] + r["jobs_left"] for r in run["released"]),
+    }
+
+
+def _drive(server: Target, load: SoakLoad, duration_s: float, stall_hold_s: float) -> dict:
+    """Run every client of ``load`` on its own thread until its deadline, sampling each server's
+    RSS every 2 s and killing a replica half-way when ``server`` can; then release the idle
+    conversations. Returns ``{"replica_killed", "replica_killed_at_s", "released",
+    "server_metrics", "rss_mib"}``."""
+    t0 = time.monotonic()
     rss: list[tuple[float, dict[str, float]]] = []
     killed, killed_at = None, None
-    if replicas:
-        target = _cluster(model_arg, adapters, method, kv_cache_bytes, config, replicas, compile)
-    else:
-        target = _one_server(model, adapters, method, kv_cache_bytes, config)
-    with target as server:
-        t0 = time.monotonic()
-        soak = _Soak(server.url, list(adapters), vocab, tenants, seed, t0 + duration_s)
-        threads = [threading.Thread(target=soak.tenant, args=(i,)) for i in range(tenants)]
-        threads.append(
-            threading.Thread(target=soak.stalled_reader, args=(server.host, server.port, stall_hold_s))
-        )
-        threads.append(threading.Thread(target=soak.slowloris, args=(server.host, server.port, 4)))
-        for t in threads:
-            t.start()
-        while any(t.is_alive() for t in threads):
-            elapsed = time.monotonic() - t0
-            if server.kill is not None and killed is None and elapsed >= duration_s / 2:
-                killed, killed_at = server.kill(), round(elapsed, 1)
-                logger.info("killed replica %s at %.1f s", killed, elapsed)
-            rss.append((round(elapsed, 1), _metrics(server.url)[1]))
-            time.sleep(2.0)
-        released = server.release()
-        metrics, last_rss = _metrics(server.url)
-        rss.append((round(time.monotonic() - t0, 1), last_rss))
-    # every completed request again, alone, on a fresh engine of the same method
-    alone_engine = precache.Engine(model, adapters=adapters, method=method)
-    checked = soak.completed[:verify_limit]
+    threads = [threading.Thread(target=load.tenant, args=(i,)) for i in range(load.tenants)]
+    threads.append(
+        threading.Thread(target=load.stalled_reader, args=(server.host, server.port, stall_hold_s))
+    )
+    threads.append(threading.Thread(target=load.slowloris, args=(server.host, server.port, 4)))
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        elapsed = time.monotonic() - t0
+        if server.kill is not None and killed is None and elapsed >= duration_s / 2:
+            killed, killed_at = server.kill(), round(elapsed, 1)
+            logger.info("killed replica %s at %.1f s", killed, elapsed)
+        rss.append((round(elapsed, 1), server_metrics(server.url)[1]))
+        time.sleep(2.0)
+    released = server.release()
+    metrics, last_rss = server_metrics(server.url)
+    rss.append((round(time.monotonic() - t0, 1), last_rss))
+    return {
+        "replica_killed": killed,
+        "replica_killed_at_s": killed_at,
+        "released": released,
+        "server_metrics": metrics,
+        "rss_mib": rss,
+    }
+
+
+def _differ_from_alone(model, adapters: dict, method: str, records: list[dict]) -> int:
+    """How many tokens of the completed ``records`` differ from the same request run alone, greedy,
+    on a fresh engine of the same method."""
+    engine = precache.Engine(model, adapters=adapters, method=method)
     differ = 0
-    for record in checked:
-        session = alone_engine.session()
+    for record in records:
+        session = engine.session()
         session.append(record["prompt"])
         tokens = session.generate(
             agent=record["agent"], max_new_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True
         ).token_ids
         differ += sum(a != b for a, b in zip(tokens, record["tokens"], strict=True))
         session.close()
-    return {
-        "method": method,
-        "duration_s": duration_s,
-        "tenants": tenants,
-        "replicas": replicas,
-        "replica_killed": killed,
-        "replica_killed_at_s": killed_at,
-        "kv_cache_bytes": kv_cache_bytes,
-        "pool_blocks": {r["replica"]: r["blocks"] for r in released},
-        "outcomes": dict(sorted(soak.outcomes.items())),
-        "completed": len(soak.completed),
-        "checked_alone": len(checked),
-        "tokens_differing_from_alone": differ,
-        "stalled_readers": soak.stalls,
-        "slowloris_sockets_closed": soak.slowloris_closed,
-        "server_metrics": metrics,
-        "rss_mib": rss,
-        "released": released,
-        "blocks_leaked": sum(r["blocks"] - r["blocks_free"] for r in released),
-        "sessions_left": sum(r["sessions_left"] + r["jobs_left"] for r in released),
-    }
+    return differ
 
 
 def _table(result: dict):
@@ -382,27 +185,6 @@ def _table(result: dict):
     return table
 
 
-def _idle_table(idle: dict):
-    from rich.table import Table
-
-    table = Table(title=f"idle phase: {idle['conversations']} idle conversations")
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    usage = idle["swap_usage_idle"]
-    for label, value in [
-        ("tokens per conversation", idle["tokens_per_conversation"]),
-        ("swap space / block pool MiB", f"{idle['swap_space_mib']:g} / {idle['kv_cache_mib']:g}"),
-        ("host MiB of one swapped conversation", f"{idle['swapped_conversation_mib']:g}"),
-        ("RSS MiB before / peak / growth", f"{idle['rss_before_mib']:.0f} / {idle['rss_peak_mib']:.0f} / "
-         f"{idle['rss_growth_mib']:.0f}"),
-        ("swapped out / held now / dropped", f"{usage['swap_outs']} / {usage['sessions']} / {usage['drops']}"),
-        ("rebuilt tokens (returning conversations)", idle["swap_usage"]["rebuilt_tokens"]),
-        ("tokens differing after rebuild (must be 0)", idle["tokens_differing_after_rebuild"]),
-    ]:  # fmt: skip
-        table.add_row(label, str(value))
-    return table
-
-
 def _bench_soak(args: argparse.Namespace) -> int:
     from precache.resources import adapter_set
 
@@ -425,7 +207,7 @@ def _bench_soak(args: argparse.Namespace) -> int:
         compile=compile,
     )
     if args.idle_conversations:
-        from precache.bench.soak_idle import run_idle_phase
+        from precache.bench.soak_idle import idle_table, run_idle_phase
 
         result["idle"] = run_idle_phase(
             model,
@@ -442,7 +224,7 @@ def _bench_soak(args: argparse.Namespace) -> int:
     console().print(_table(result))
     clean = result["blocks_leaked"] == 0 and result["sessions_left"] == 0
     if "idle" in result:
-        console().print(_idle_table(result["idle"]))
+        console().print(idle_table(result["idle"]))
         clean = clean and result["idle"]["tokens_differing_after_rebuild"] == 0
     return 0 if clean and result["tokens_differing_from_alone"] == 0 else 1
 

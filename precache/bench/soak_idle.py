@@ -18,6 +18,7 @@ import os
 import random
 
 import precache
+from precache.bench.common import ordinary_ids
 from precache.engine.swap_space import physical_memory_bytes
 
 logger = logging.getLogger(__name__)
@@ -57,8 +58,7 @@ def run_idle_phase(
     Raises:
         ValueError: ``swap_space_bytes`` is not an integer >= 0.
     """
-    special = set(getattr(model.tokenizer, "all_special_ids", []) or [])
-    vocab = [i for i in range(model.config.vocab_size) if i not in special]
+    vocab = ordinary_ids(model)
     agents = list(adapters)
     engine = precache.Engine(
         model,
@@ -114,3 +114,25 @@ def run_idle_phase(
         "returned": came_back,
         "tokens_differing_after_rebuild": differ,
     }
+
+
+def idle_table(idle: dict):
+    """The idle phase's report (:func:`run_idle_phase`) as a rich ``Table``."""
+    from rich.table import Table
+
+    table = Table(title=f"idle phase: {idle['conversations']} idle conversations")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    usage = idle["swap_usage_idle"]
+    for label, value in [
+        ("tokens per conversation", idle["tokens_per_conversation"]),
+        ("swap space / block pool MiB", f"{idle['swap_space_mib']:g} / {idle['kv_cache_mib']:g}"),
+        ("host MiB of one swapped conversation", f"{idle['swapped_conversation_mib']:g}"),
+        ("RSS MiB before / peak / growth", f"{idle['rss_before_mib']:.0f} / {idle['rss_peak_mib']:.0f} / "
+         f"{idle['rss_growth_mib']:.0f}"),
+        ("swapped out / held now / dropped", f"{usage['swap_outs']} / {usage['sessions']} / {usage['drops']}"),
+        ("rebuilt tokens (returning conversations)", idle["swap_usage"]["rebuilt_tokens"]),
+        ("tokens differing after rebuild (must be 0)", idle["tokens_differing_after_rebuild"]),
+    ]:  # fmt: skip
+        table.add_row(label, str(value))
+    return table
