@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from precache.models.llama import split_product
+from precache.models.layers import split_product
 
 HIDDEN, INTER, LAYERS = 576, 1536, 30
 

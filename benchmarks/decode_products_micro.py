@@ -29,7 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from precache.models.llama import split_product
+from precache.models.layers import split_product
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 LAYERS = 30

@@ -93,7 +93,7 @@ def dense_run(model, token_ids, pos0, adapter, prefix):
 def lora_kv(model, layer, h_base, h_lora, adapter, start):
     """``Kb(h_base) + RoPE(s h_lora A^k B^k)``, ``Vb(h_base) + s h_lora A^v B^v`` at ``[start, start + n)``."""
     cos, sin = model.rope.span(start, start + h_base.shape[0])
-    k, v = model.project_kv(layer, h_base, cos, sin)  # [n, Hkv, D] each
+    k, v = model.finish_kv(layer, *model.qkv(layer, h_base)[1:], cos, sin)  # [n, Hkv, D] each
     if adapter is not None and adapter.has(layer, "k_proj"):
         k = k + model.rope.apply(adapter.delta(h_lora, layer, "k_proj").view(k.shape), cos, sin)
     if adapter is not None and adapter.has(layer, "v_proj"):

@@ -61,6 +61,14 @@ def reference_run(model, token_ids, pos0, adapter, prefix, reread=None):
     return logits, ref.h
 
 
+def base_kv(model, layer, h, cos, sin):
+    """Adapter-free ``(K after RoPE, V)`` ``[n, Hkv, D]`` of attention inputs ``h`` ``[n, hidden]``
+    at positions whose RoPE tables are ``cos`` / ``sin``, as the forward builds the base cache's
+    entries (``model.qkv``, then ``model.finish_kv``)."""
+    _, k_lin, v_lin = model.qkv(layer, h)
+    return model.finish_kv(layer, k_lin, v_lin, cos, sin)
+
+
 def lora_view(model, adapter, layer, k, v, lk, lv, start):
     """Materialise ``K = Kb + RoPE(s Lk B^k)``, ``V = Vb + s Lv B^v`` (DESIGN.md, Notation)."""
     k, v = k.clone(), v.clone()

@@ -63,7 +63,7 @@ def test_thread_split_linear_equals_f_linear(rows, d_out, d_in, bias):
     """The CPU fp32 projection split over the torch threads (a batched product over slices of the
     output rows) against ``F.linear``: float rounding only (relative 1e-6); an odd ``d_out`` that
     does not split keeps ``F.linear`` itself."""
-    from precache.models.llama import linear
+    from precache.models.layers import linear
 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from precache.methods import METHODS, SELECTIVE_METHODS
-from tests.reference import agent_view, reference_run
+from tests.reference import agent_view, base_kv, reference_run
 from tests.tiny import AGENTS, SCRIPT, make_engine, run_script
 
 TOL = 1e-4
@@ -61,7 +61,7 @@ def check_segment_caches(method_name, s, agent, h, start, end, n_before):
     for layer in range(m.model.config.num_layers):
         hl = h[layer]
         if method_name == "prelrshared":
-            kb, vb = m.model.project_kv(layer, hl, cos, sin)
+            kb, vb = base_kv(m.model, layer, hl, cos, sin)
             k, v = st.base.kv(layer, start, end)
             assert close(k, kb) and close(v, vb)
             agents = AGENTS
@@ -113,7 +113,7 @@ def test_rebaseshared_base_is_the_base_model_cache(tiny, method, order):
     _, h0 = _neutral_reference(model, s.token_ids[:n])
     cos, sin = model.rope.span(0, n)
     for layer in range(model.config.num_layers):
-        kb, vb = model.project_kv(layer, h0[layer], cos, sin)
+        kb, vb = base_kv(model, layer, h0[layer], cos, sin)
         k, v = s.state.base.kv(layer, 0, n)
         assert close(k, kb) and close(v, vb)
         for a in AGENTS:

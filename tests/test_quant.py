@@ -12,7 +12,8 @@ import torch
 
 from precache.errors import ModelLoadError
 from precache.models import model_from_hf
-from precache.models.llama import LlamaModel, linear
+from precache.models.layers import linear
+from precache.models.llama import LlamaModel
 from precache.models.quant import INT4_GROUP_SIZE, INT8_KERNEL_MAX_ROWS, QUANTIZATIONS, Int4Weight, Int8Weight
 from tests.tiny import AGENTS, make_engine, save_random_adapter, tiny_hf_model, tiny_model
 

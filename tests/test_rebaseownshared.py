@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.reference import lora_view, reference_run
+from tests.reference import base_kv, lora_view, reference_run
 from tests.tiny import AGENTS, make_engine, run_script
 
 TOL = 1e-4
@@ -46,7 +46,7 @@ def oracle(model, adapters, token_ids, turns):
     empty = [(torch.zeros(0, model.config.num_kv_heads, model.config.head_dim),) * 2] * L
     _, h0 = reference_run(model, token_ids, 0, None, empty)
     cos, sin = model.rope.span(0, n)
-    base = [model.project_kv(layer, h0[layer], cos, sin) for layer in range(L)]
+    base = [base_kv(model, layer, h0[layer], cos, sin) for layer in range(L)]
     own: dict[str, list] = {}  # agent -> [(start, end, [(K, V) per layer])]
     out, start = [], 0
     for agent, n_before, n_generated in turns:
@@ -74,7 +74,7 @@ def oracle(model, adapters, token_ids, turns):
         cs, sn = model.rope.span(start, end)
         kv = []
         for layer in range(L):
-            kb, vb = model.project_kv(layer, h[layer], cs, sn)
+            kb, vb = base_kv(model, layer, h[layer], cs, sn)
             lk, lv = _lr(adapter, layer, h[layer], "k_proj"), _lr(adapter, layer, h[layer], "v_proj")
             kv.append(lora_view(model, adapter, layer, kb, vb, lk, lv, start))
         own.setdefault(agent, []).append((start, end, kv))

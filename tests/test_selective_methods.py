@@ -18,7 +18,7 @@ from precache.methods.cacheblend import CacheBlend
 from precache.methods.droidspeak import DroidSpeak, profile, read_profile, save_profile
 from precache.methods.relaycaching import RelayCaching
 from precache.models import Row
-from tests.reference import lora_view, reference_run
+from tests.reference import base_kv, lora_view, reference_run
 from tests.tiny import SCRIPT, close, make_engine, run_script
 
 TOL = 1e-4
@@ -147,7 +147,7 @@ def reference_checker():
             cos, sin = m.model.rope.span(t0, end)
             own = []
             for layer in range(L):
-                kb, vb = m.model.project_kv(layer, h[layer], cos, sin)
+                kb, vb = base_kv(m.model, layer, h[layer], cos, sin)
                 lk = h[layer] @ adapter.weights[(layer, "k_proj")][0]
                 lv = h[layer] @ adapter.weights[(layer, "v_proj")][0]
                 own.append(lora_view(m.model, adapter, layer, kb, vb, lk, lv, t0))

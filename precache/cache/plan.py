@@ -4,8 +4,7 @@ and the attention backend called at every layer) and commits the lengths once ev
 written; :func:`blocks_needed` is what the scheduler admits rows by.
 
 The records a sharing method builds live in :mod:`precache.cache.rowplan`, what a view reads in
-:mod:`precache.cache.views`; they are re-exported here for the modules that still import them from
-this one.
+:mod:`precache.cache.views`.
 """
 
 from __future__ import annotations
@@ -16,24 +15,10 @@ from precache.cache.attention import AttentionBackend
 from precache.cache.attention.torch_backend import TorchBackend
 from precache.cache.planned_attention import PlannedAttention
 from precache.cache.pool import PagedStore
-from precache.cache.rowplan import BaseWrite, FullWrite, LRWrite, Recompute, RowPlan, View
+from precache.cache.rowplan import RowPlan
 from precache.cache.step_inputs import decode_step_inputs, write_step
-from precache.cache.views import materialise_view
 from precache.errors import ContextLengthError
 from precache.models.contract import Row
-
-__all__ = [
-    "BaseWrite",
-    "FullWrite",
-    "LRWrite",
-    "Recompute",
-    "RowPlan",
-    "View",
-    "blocks_needed",
-    "reserve_writes",
-    "materialise_view",
-    "run_plans",
-]
 
 
 def reserve_writes(plans: list[RowPlan]) -> None:
@@ -83,8 +68,9 @@ def run_plans(
 ) -> list[torch.Tensor | None]:
     """Run ``plans`` as one mixed-adapter batch; return each plan's last-token logits ``[vocab]`` (or None).
 
-    ``backend`` defaults to the torch reference. Recompute rows (:class:`Recompute`) go after every
-    other row in the batch, so narrowing them never moves a token whose logits are wanted.
+    ``backend`` defaults to the torch reference. Recompute rows
+    (:class:`~precache.cache.rowplan.Recompute`) go after every other row in the batch, so
+    narrowing them never moves a token whose logits are wanted.
 
     Raises:
         ValueError: a plan has no tokens, or a recompute row asks for logits.

@@ -27,8 +27,7 @@ from safetensors.torch import load_file
 
 from precache.errors import AdapterError
 from precache.lora.peft_config import parse_options, read_config, targeted_projections
-from precache.lora.targets import PROJECTIONS, LoraOptions, projection_module
-from precache.models.config import ModelConfig
+from precache.lora.targets import PROJECTIONS, LoraOptions, ModelShape, projection_module
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +129,7 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return {k: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for k, t in tensors.items()}
 
 
-def _check_base_model(cfg: dict, folder: Path, model_config: ModelConfig) -> None:
+def _check_base_model(cfg: dict, folder: Path, model_config: ModelShape) -> None:
     named = str(cfg.get("base_model_name_or_path") or "")
     ours = model_config.name
     if named and ours and Path(named).name.lower() != Path(ours).name.lower():
@@ -166,7 +165,7 @@ def _refuse_tensor(file: Path, key: str, options: LoraOptions) -> AdapterError:
 
 
 def _collect_pairs(
-    tensors: dict[str, torch.Tensor], file: Path, options: LoraOptions, model_config: ModelConfig
+    tensors: dict[str, torch.Tensor], file: Path, options: LoraOptions, model_config: ModelShape
 ) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -217,8 +216,9 @@ def _check_targets(pairs: dict, targeted: set[tuple[int, str]], file: Path) -> N
         )
 
 
-def load_adapter(path: str | Path, model_config: ModelConfig, name: str | None = None) -> LoRAAdapter:
-    """Load a PEFT LoRA adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
+def load_adapter(path: str | Path, model_config: ModelShape, name: str | None = None) -> LoRAAdapter:
+    """Load a PEFT LoRA adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``)
+    for the base model whose architecture is ``model_config`` (its ``model.config``).
 
     Weights stored in fp16 or bf16 are returned in fp32 (PEFT's ``autocast_adapter_dtype``);
     :class:`~precache.engine.Engine` casts each adapter to the model's dtype.
@@ -267,7 +267,7 @@ def _module_weights(
     layer: int,
     proj: str,
     options: LoraOptions,
-    model_config: ModelConfig,
+    model_config: ModelShape,
     file: Path,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(A [d_in, r], B [r, d_out])`` of one module, checked against its rank and the model."""

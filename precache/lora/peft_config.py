@@ -44,8 +44,7 @@ import re
 from pathlib import Path
 
 from precache.errors import AdapterError
-from precache.lora.targets import PROJECTIONS, LoraOptions, module_names, projection_module
-from precache.models.config import ModelConfig
+from precache.lora.targets import PROJECTIONS, LoraOptions, ModelShape, module_names, projection_module
 
 #: PEFT's default ``target_modules`` for llama, mistral, qwen2 and qwen3
 #: (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``)
@@ -235,7 +234,7 @@ def parse_options(cfg: dict, cfg_file: Path) -> LoraOptions:
     )
 
 
-def targeted_projections(options: LoraOptions, config: ModelConfig, cfg_file: Path) -> set[tuple[int, str]]:
+def targeted_projections(options: LoraOptions, config: ModelShape, cfg_file: Path) -> set[tuple[int, str]]:
     """``(layer, proj)`` of every module PEFT would put a LoRA layer on, for this model.
 
     Raises:

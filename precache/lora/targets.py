@@ -9,13 +9,32 @@ import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-
-from precache.models.config import ModelConfig
+from typing import Protocol
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def module_names(config: ModelConfig) -> list[str]:
+class ModelShape(Protocol):
+    """What loading an adapter reads of the base model's architecture
+    (:class:`precache.models.config.ModelConfig` is one; ``lora`` sits below ``models`` and never
+    imports it): ``name`` (the checkpoint's HF name or path, compared with the adapter's
+    ``base_model_name_or_path``), ``num_layers``, ``qk_norm`` (Qwen3's per-head q/k RMSNorm, two
+    more module names per layer) and ``projection_shape(proj)`` ``(d_in, d_out)`` of a projection
+    of :data:`PROJECTIONS` in one decoder layer."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def qk_norm(self) -> bool: ...
+
+    def projection_shape(self, proj: str) -> tuple[int, int]: ...
+
+
+def module_names(config: ModelShape) -> list[str]:
     """Every module name of the HF ``*ForCausalLM`` model (``model.named_modules()``), the names
     PEFT matches ``target_modules`` and the patterns against."""
     names = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"]

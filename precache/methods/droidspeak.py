@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from precache.cache.plan import Recompute
+from precache.cache.rowplan import Recompute
 from precache.methods.selective import SelectiveRecompute, check_layer_range
 from precache.models.contract import LayerInput, Row
 

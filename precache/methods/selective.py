@@ -10,7 +10,7 @@ opens a turn over ``t0`` cached tokens and its view covers ``[0, r0)``, the view
 last block are copied in place, so the extension takes no new block), and the first prefill forward
 of the turn carries one extra row, the recompute row: the tokens ``[r0, t0)`` (the other agents'
 segments new since c's last turn) run again with c's adapter under a
-:class:`~precache.cache.plan.Recompute` that says which layers it writes and which tokens go on past
+:class:`~precache.cache.rowplan.Recompute` that says which layers it writes and which tokens go on past
 which layer; what it writes lands in c's view only (copy-on-write), never in the shared cache. The
 turn's new tokens are written to both (they are c's own, as under FullShared) and read c's view, so
 at every layer they attend to the blended cache. No token-layer is recomputed twice by one agent.
@@ -25,7 +25,7 @@ NonShared, issue 36). A reused view block holds what that agent's view held over
 whoever authored them there, as a reused shared block holds its author's entries.
 
 Prefill cost: the recompute row counts its token-layers over the layer count
-(:meth:`~precache.cache.plan.Recompute.cost`), in the turn's ``prefill_tokens`` and its TTFT; with
+(:meth:`~precache.cache.rowplan.Recompute.cost`), in the turn's ``prefill_tokens`` and its TTFT; with
 rho = 1 over every layer each turn is NonShared's, and no turn prefills more than NonShared's (the
 view starts where NonShared's cache of the agent starts: tests/test_selective_prefill_bound.py).
 Memory: the shared cache plus each agent's view, whose blocks are the shared cache's until the

@@ -1,4 +1,5 @@
-"""Model weights and our own Llama-family forward."""
+"""Model weights and our own forward: the loader (:func:`load_model`, :func:`model_from_hf`) builds
+the family registered for a checkpoint's ``model_type`` (:mod:`precache.models.family`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from precache.compute import on_compute
 from precache.errors import ModelLoadError
-from precache.models.config import MODEL_REGISTRY, ModelConfig
+from precache.models.config import ModelConfig
 from precache.models.contract import LayerAttention, LayerInput, Row
-from precache.models.llama import DenseAttention, LlamaModel, dense_logits
+from precache.models.dense import DenseAttention, dense_logits
+from precache.models.family import MODEL_REGISTRY
+from precache.models.llama import LlamaModel  # registers the Llama family's four model_types
 from precache.models.loader import checkpoint_name, embedded_checkpoint, resolve_checkpoint
 from precache.models.quant import QUANTIZATIONS, check_quantization, resolve_kv_cache_dtype
 from precache.models.step_graph import check_compile

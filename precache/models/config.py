@@ -2,23 +2,25 @@
 
 Every ``config.json`` field that changes the forward in transformers' modeling code for the
 supported families is either honoured or refused here, before any weight is read ("honour it or
-refuse it"; README, "Supported models"):
+refuse it"; README, "Supported models"). This module reads the fields every family shares; the
+family's module (found through :data:`~precache.models.family.MODEL_REGISTRY` by ``model_type``)
+decides the rest (:meth:`~precache.models.family.ModelFamily.config_fields`):
 
 - honoured: ``vocab_size``, ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
   ``num_attention_heads``, ``num_key_value_heads`` (GQA), ``head_dim``, ``rms_norm_eps``,
-  ``tie_word_embeddings``, ``attention_bias`` (Llama/Qwen3: q/k/v/o biases; Qwen2 always has q/k/v
-  biases), ``mlp_bias``, ``hidden_act`` (any parameter-free activation of transformers'
-  ``ACT2FN``), Qwen3's q/k RMSNorm, ``rope_parameters`` / legacy ``rope_scaling`` (see
-  :mod:`precache.models.rope`), ``sliding_window`` (Mistral: every layer), ``use_sliding_window``
-  / ``max_window_layers`` / ``layer_types`` (Qwen2, Qwen3: per layer);
+  ``tie_word_embeddings``, ``hidden_act`` (any parameter-free activation of transformers'
+  ``ACT2FN``), ``rope_parameters`` / legacy ``rope_scaling`` (see :mod:`precache.models.rope`);
+  by the family: biases, q/k norms and sliding windows (``sliding_window``, or per layer
+  ``use_sliding_window`` / ``max_window_layers`` / ``layer_types``: :func:`windows_by_layer_type`);
 - no effect on an inference forward, accepted: ``attention_dropout``, ``initializer_range``,
   ``use_cache``, ``pad_token_id``, ``pretraining_tp`` (unused by transformers 5's Llama), the
   token ids (read by the engine's stop rule);
-- refused with :class:`ModelLoadError`: another ``model_type``, an activation with learnable
-  parameters or unknown to transformers, ``quantization_config`` (quantized weights; a folder
-  converted from GGUF, ``quant_method: gguf``, holds de-quantised floats and is accepted),
-  ``partial_rotary_factor`` below 1 (but with ``proportional`` RoPE), per-layer-type ``rope_parameters``, layer types other than
-  full / sliding attention, a sliding layer without a window, a window below 1.
+- refused with :class:`ModelLoadError`: a ``model_type`` no family registered, an activation with
+  learnable parameters or unknown to transformers, ``quantization_config`` (quantized weights; a
+  folder converted from GGUF, ``quant_method: gguf``, holds de-quantised floats and is accepted),
+  ``partial_rotary_factor`` below 1 (but with ``proportional`` RoPE), per-layer-type
+  ``rope_parameters``, layer types other than full / sliding attention, a sliding layer without a
+  window, a window below 1.
 """
 
 from __future__ import annotations
@@ -29,21 +31,20 @@ from typing import Any
 from transformers.activations import ACT2CLS, ACT2FN
 
 from precache.errors import ModelLoadError
+from precache.models.family import MODEL_REGISTRY
 from precache.models.rope import check_rope
-from precache.registry import Registry
 
-#: our forward (a model class) by HF ``model_type``; a family's module registers it (``llama.py``)
-MODEL_REGISTRY: Registry[type] = Registry("model_type", ModelLoadError)
 #: ``layer_types`` entries we implement (Qwen2/Qwen3 configs)
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Llama-family architecture (Llama, Mistral, Qwen2, Qwen3).
+    """A decoder-only transformer's architecture (the families registered in
+    :data:`~precache.models.family.MODEL_REGISTRY`: Llama, Mistral, Qwen2, Qwen3).
 
-    ``attention_bias`` is Qwen2's bias on q/k/v; ``qk_norm`` is Qwen3's per-head RMSNorm on q and k
-    before RoPE. ``layer_windows[l]`` is layer l's sliding window in tokens (None: full causal
+    ``attention_bias``: biases on q/k/v (always under Qwen2); ``qk_norm``: a per-head RMSNorm on q
+    and k before RoPE (Qwen3); ``mlp_bias``: biases on the MLP projections. ``layer_windows[l]`` is layer l's sliding window in tokens (None: full causal
     attention): query position ``t`` reads key positions ``p`` with ``t - window < p <= t``, as
     transformers' ``sliding_window_overlay`` (``kv_idx > q_idx - sliding_window``).
     """
@@ -93,11 +94,12 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
-        """Build from a ``transformers.PretrainedConfig``.
+        """Build from a ``transformers.PretrainedConfig``: the shared fields here, the family's own
+        from the class registered for its ``model_type``.
 
         Raises:
-            ModelLoadError: the ``model_type`` is not a Llama-family architecture we implement, or a
-                field changes the forward in a way we do not implement (the message names it).
+            ModelLoadError: no family registered the ``model_type``, or a field changes the forward
+                in a way we do not implement (the message names it).
         """
         model_type = MODEL_REGISTRY.canonical(getattr(hf_config, "model_type", None) or "")
         _check_quantization(hf_config)
@@ -116,12 +118,9 @@ class ModelConfig:
             rms_norm_eps=hf_config.rms_norm_eps,
             max_position_embeddings=hf_config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
-            qk_norm=model_type == "qwen3",
             name=getattr(hf_config, "_name_or_path", "") or "",
             hidden_act=_activation(hf_config),
-            mlp_bias=model_type == "llama" and bool(getattr(hf_config, "mlp_bias", False)),
-            layer_windows=_layer_windows(hf_config, model_type),
+            **MODEL_REGISTRY[model_type].config_fields(hf_config, model_type),
         )
 
 
@@ -157,22 +156,30 @@ def _activation(hf_config) -> str:
     return name
 
 
-def _layer_windows(hf_config, model_type: str) -> tuple[int | None, ...]:
-    """Per-layer sliding windows as transformers' modeling code applies them.
+def sliding_window(hf_config) -> int | None:
+    """``sliding_window`` in tokens, or None when unset.
 
-    Mistral windows every layer when ``sliding_window`` is set (its modeling ignores
-    ``layer_types``); Qwen2/Qwen3 window the layers whose ``layer_types`` entry is
-    ``sliding_attention`` (the config derives them from ``use_sliding_window`` and
-    ``max_window_layers`` when absent); Llama has no window.
+    Raises:
+        ModelLoadError: a window that is not a positive integer.
     """
-    n = hf_config.num_hidden_layers
-    if model_type == "llama":
-        return (None,) * n
     window = getattr(hf_config, "sliding_window", None)
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ModelLoadError(f"sliding_window={window!r} must be a positive number of tokens or null")
-    if model_type == "mistral":
-        return (window,) * n
+    return window
+
+
+def windows_by_layer_type(hf_config) -> tuple[int | None, ...]:
+    """Per-layer sliding windows from ``layer_types``: :func:`sliding_window` at each
+    ``sliding_attention`` layer, None at each ``full_attention`` one (transformers' configs derive
+    ``layer_types`` from ``use_sliding_window`` and ``max_window_layers`` when absent; no entry:
+    every layer full).
+
+    Raises:
+        ModelLoadError: a bad window, ``layer_types`` of another length than the layers, a layer
+            type other than :data:`SUPPORTED_LAYER_TYPES`, or a sliding layer without a window.
+    """
+    n = hf_config.num_hidden_layers
+    window = sliding_window(hf_config)
     types = list(getattr(hf_config, "layer_types", None) or ["full_attention"] * n)
     if len(types) != n:
         raise ModelLoadError(f"layer_types has {len(types)} entries for num_hidden_layers={n}")

@@ -1,151 +1,33 @@
-"""Our own Llama-family forward (Llama, Mistral, Qwen2, Qwen3) over a flattened, mixed-adapter batch.
+"""The Llama family: Llama, Mistral, Qwen2 and Qwen3, one forward over a flattened, mixed-adapter
+batch, registered under the four HF ``model_type`` s (:data:`~precache.models.family.MODEL_REGISTRY`).
+
+Their differences are :class:`~precache.models.config.ModelConfig` fields, decided here
+(:meth:`LlamaModel.config_fields`): Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm, Llama's
+``mlp_bias``, Mistral's sliding window on every layer and Qwen2/Qwen3's per layer. The layers are the
+shared ones (:mod:`precache.models.layers`).
 
 The model owns no cache. Each layer hands its attention input to a :class:`LayerAttention`
-(a sharing method's cache plan, or :class:`DenseAttention` for a cache-free pass), which decides
-which cache entries to write from which hidden states and which view each row attends to
-(DESIGN.md, "The sharing methods"). Adding a sharing method therefore never touches this file.
+(a sharing method's cache plan, or :class:`~precache.models.dense.DenseAttention` for a cache-free
+pass), which decides which cache entries to write from which hidden states and which view each row
+attends to (DESIGN.md, "The sharing methods"). Adding a sharing method therefore never touches
+this file.
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from precache.errors import ContextLengthError, ModelLoadError
-from precache.models.config import MODEL_REGISTRY, ModelConfig
+from precache.errors import ContextLengthError
+from precache.models.config import ModelConfig, sliding_window, windows_by_layer_type
 from precache.models.contract import LayerAttention, LayerInput, Row
-from precache.models.quant import QUANTIZED_WEIGHTS, check_quantizable, check_quantization, quantize_weight
-from precache.models.rope import RotaryEmbedding, static_position_limit
-
-if TYPE_CHECKING:
-    from precache.lora.adapter import LoRAAdapter
-
-logger = logging.getLogger(__name__)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm (Zhang & Sennrich 2019) computed in fp32 like HF Llama: ``[..., d] -> [..., d]``."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-#: rows up to which :func:`linear` splits a CPU product over the threads: decode steps and small
-#: batches (a 3,000-token prefill measured 5-8% slower split, where MKL's own matrix product
-#: already runs on every thread)
-SPLIT_LINEAR_MAX_ROWS = 64
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` (``x`` ``[N, d_in]``, ``weight`` ``[d_out, d_in]`` -> ``[N, d_out]``), split over
-    the torch threads on a CPU at fp32.
-
-    MKL runs a matrix-vector product (decode: a few rows) on one thread, so a decode step streamed
-    its weights at one core's bandwidth (12 GB/s here, benchmarks/RESULTS.md "Issue 22"). Viewing
-    ``weight`` as ``T`` slices of ``d_out / T`` output rows (no copy) and multiplying them as one
-    batched product spreads the slices over the ``T`` threads; each output is the same dot product
-    over ``d_in``, equal to ``F.linear``'s up to float rounding (relative error below 1e-6,
-    ``tests/test_forward.py``). Other devices, dtypes (bf16 already runs on every thread),
-    and more than :data:`SPLIT_LINEAR_MAX_ROWS` rows keep ``F.linear``. An
-    :class:`~precache.models.quant.Int8Weight` or ``Int4Weight`` runs its own kernel.
-    """
-    if isinstance(weight, QUANTIZED_WEIGHTS):  # int8 / int4 weight-only (precache.models.quant)
-        y = weight.matmul(x)
-        return y if bias is None else y.add_(bias)
-    parts = torch.get_num_threads()
-    n_out = weight.shape[0]
-    if (
-        parts < 2
-        or x.dim() != 2
-        or x.shape[0] > SPLIT_LINEAR_MAX_ROWS
-        or n_out % parts
-        or weight.dtype != torch.float32
-        or x.device.type != "cpu"
-    ):
-        return F.linear(x, weight, bias)
-    return split_product(x, weight, bias, parts)
-
-
-def split_product(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, parts: int
-) -> torch.Tensor:
-    """``x Wᵀ (+ bias)`` as one batched product over ``parts`` slices of ``weight``'s output rows
-    (``weight.shape[0]`` divisible by ``parts``): :func:`linear`'s CPU path, and the products of
-    the compiled decode step (:mod:`precache.models.step_graph`)."""
-    n, d_in = x.shape
-    n_out = weight.shape[0]
-    y = torch.bmm(
-        x.unsqueeze(0).expand(parts, n, d_in), weight.view(parts, n_out // parts, d_in).transpose(1, 2)
-    )
-    y = y.transpose(0, 1).reshape(n, n_out)
-    return y if bias is None else y.add_(bias)
-
-
-@dataclass(frozen=True)
-class AdapterGroups:
-    """A forward's rows grouped by adapter, built once per forward (:func:`adapter_groups`):
-    ``groups`` holds ``(adapter, tokens)`` per distinct adapter, ``tokens`` a slice when its rows
-    are adjacent in the batch, else an index tensor ``[n]`` on the batch's device."""
-
-    groups: tuple[tuple[LoRAAdapter, slice | torch.Tensor], ...]
-
-
-def adapter_groups(rows: list[Row], device) -> AdapterGroups:
-    """Group ``rows`` by adapter (base rows, ``adapter=None``, get no group)."""
-    by_adapter: dict[int, tuple[LoRAAdapter, list[Row]]] = {}
-    for row in rows:
-        if row.adapter is not None and row.end > row.start:
-            by_adapter.setdefault(id(row.adapter), (row.adapter, []))[1].append(row)
-    groups = []
-    for adapter, members in by_adapter.values():
-        if all(a.end == b.start for a, b in zip(members, members[1:], strict=False)):
-            groups.append((adapter, slice(members[0].start, members[-1].end)))
-        else:
-            idx = torch.cat([torch.arange(r.start, r.end) for r in members]).to(device)
-            groups.append((adapter, idx))
-    return AdapterGroups(tuple(groups))
-
-
-def add_lora(y: torch.Tensor, x: torch.Tensor, rows: AdapterGroups, layer: int, proj: str) -> torch.Tensor:
-    """Add each row's LoRA delta ``s (x A) B`` to ``y`` in place, one product pair per adapter over
-    all its rows (a decode step of 16 rows ran 16 pairs per projection, issue 22). ``x``
-    ``[N, d_in]``, ``y`` ``[N, d_out]``."""
-    for adapter, tokens in rows.groups:
-        if not adapter.has(layer, proj):
-            continue
-        if isinstance(tokens, slice):
-            y[tokens] += adapter.delta(x[tokens], layer, proj)
-        else:
-            y.index_add_(0, tokens, adapter.delta(x.index_select(0, tokens), layer, proj))
-    return y
-
-
-def _cat_bias(*biases: torch.Tensor | None, sizes: list[int], like: torch.Tensor) -> torch.Tensor | None:
-    if all(b is None for b in biases):
-        return None
-    return torch.cat([b if b is not None else like.new_zeros(n) for b, n in zip(biases, sizes, strict=True)])
-
-
-def _max_context(hf_config, config: ModelConfig, max_context: int | None) -> int:
-    limit = static_position_limit(hf_config)
-    if limit is None:
-        return max_context or config.max_position_embeddings
-    rope_type = hf_config.rope_parameters["rope_type"]
-    if max_context is not None and max_context > limit:
-        raise ModelLoadError(
-            f"max_context={max_context} is past {limit}, where '{rope_type}' RoPE recomputes its "
-            f"frequencies from the sequence length (rope_parameters.rope_type): keys in a KV cache "
-            f"cannot follow; use max_context <= {limit}"
-        )
-    context = min(max_context or config.max_position_embeddings, limit)
-    if context < (max_context or config.max_position_embeddings):
-        logger.info("context capped at %d tokens: '%s' RoPE is static only up to there", context, rope_type)
-    return context
+from precache.models.family import MODEL_REGISTRY
+from precache.models.layers import adapter_groups, add_lora, cat_biases, linear, rms_norm
+from precache.models.quant import check_quantizable, check_quantization, quantize_weight
+from precache.models.rope import RotaryEmbedding, context_length
+from precache.models.step_graph import DecodeGraph, check_compile
 
 
 class LlamaModel:
@@ -155,16 +37,43 @@ class LlamaModel:
     seven (decode on a CPU is dominated by per-op overhead). ``max_context`` (default
     ``max_position_embeddings``) sizes the RoPE tables; RoPE extends past the trained length as
     it does in HF, with the quality loss that implies. With ``dynamic`` or ``longrope`` RoPE the
-    context stops where HF's frequencies stop being static (:func:`static_position_limit`).
+    context stops where HF's frequencies stop being static
+    (:func:`~precache.models.rope.static_position_limit`).
 
     Raises:
         ModelLoadError: ``max_context`` is past the static range of a dynamic / longrope RoPE.
 
     Attributes: ``config`` (:class:`ModelConfig`), ``hf_config``, ``tokenizer``, ``rope``,
-    ``dtype`` (the compute dtype), ``quantization`` (None, or ``"int8"``: :meth:`quantize`), ``device``, ``path`` (checkpoint folder), ``max_context`` (tokens),
-    ``generation_config`` (``transformers.GenerationConfig`` or None: its ``eos_token_id`` s stop
+    ``dtype`` (the compute dtype), ``quantization`` (None, ``"int8"`` or ``"int4"``: :meth:`quantize`),
+    ``device``, ``path`` (checkpoint folder), ``max_context`` (tokens), ``generation_config`` (``transformers.GenerationConfig`` or None: its ``eos_token_id`` s stop
     turns).
     """
+
+    @classmethod
+    def config_fields(cls, hf_config: Any, model_type: str) -> dict[str, Any]:
+        """The :class:`ModelConfig` fields that differ between the four families, as transformers'
+        modeling code reads them: q/k/v biases (Qwen2 always, Llama / Qwen3 with
+        ``attention_bias``), Qwen3's q/k norm, Llama's ``mlp_bias``, and the sliding windows
+        (Llama: none; Mistral: ``sliding_window`` on every layer, its modeling ignores
+        ``layer_types``; Qwen2 / Qwen3: by ``layer_types``).
+
+        Raises:
+            ModelLoadError: a bad ``sliding_window`` or ``layer_types``
+                (:func:`~precache.models.config.windows_by_layer_type`).
+        """
+        n = hf_config.num_hidden_layers
+        if model_type == "llama":
+            windows: tuple[int | None, ...] = (None,) * n
+        elif model_type == "mistral":
+            windows = (sliding_window(hf_config),) * n
+        else:
+            windows = windows_by_layer_type(hf_config)
+        return {
+            "attention_bias": model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            "qk_norm": model_type == "qwen3",
+            "mlp_bias": model_type == "llama" and bool(getattr(hf_config, "mlp_bias", False)),
+            "layer_windows": windows,
+        }
 
     def __init__(
         self,
@@ -184,7 +93,7 @@ class LlamaModel:
             state.get("lm_head.weight", self.embed) if not config.tie_word_embeddings else self.embed
         )
         self.layers = [self._layer_weights(state, i) for i in range(config.num_layers)]
-        self.max_context = _max_context(hf_config, config, max_context)
+        self.max_context = context_length(hf_config, config.max_position_embeddings, max_context)
         self.act = ACT2FN[config.hidden_act]
         self.rope = RotaryEmbedding(hf_config, config.head_dim, self.max_context, self.dtype, self.device)
         self.quantization: str | None = None  # "int8" / "int4" after quantize()
@@ -207,13 +116,13 @@ class LlamaModel:
             "q_norm": get(p + "self_attn.q_norm.weight"),
             "k_norm": get(p + "self_attn.k_norm.weight"),
             "qkv": torch.cat([wq, wk, wv]),
-            "qkv_bias": _cat_bias(
+            "qkv_bias": cat_biases(
                 *(attn[x][1] for x in ("q_proj", "k_proj", "v_proj")), sizes=sizes, like=wq
             ),
             "o_proj": attn["o_proj"][0],
             "o_proj_bias": attn["o_proj"][1],
             "gate_up": torch.cat([state[f"{p}mlp.gate_proj.weight"], state[f"{p}mlp.up_proj.weight"]]),
-            "gate_up_bias": _cat_bias(
+            "gate_up_bias": cat_biases(
                 get(f"{p}mlp.gate_proj.bias"), get(f"{p}mlp.up_proj.bias"), sizes=[inter, inter], like=wq
             ),
             "down_proj": state[f"{p}mlp.down_proj.weight"],
@@ -257,8 +166,6 @@ class LlamaModel:
         Raises:
             ValueError: the model is not on the CPU.
         """
-        from precache.models.step_graph import DecodeGraph, check_compile  # it imports this module
-
         check_compile(str(self.device))
         self.decode_graph = DecodeGraph(self, compiled)
 
@@ -270,17 +177,18 @@ class LlamaModel:
             k = rms_norm(k, w["k_norm"], c.rms_norm_eps)
         return RotaryEmbedding.apply(k, cos, sin), v_lin.reshape(-1, c.num_kv_heads, c.head_dim)
 
-    def project_kv(self, layer: int, h: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        """Adapter-free ``(K after RoPE, V)`` ``[n, n_kv_heads, head_dim]`` of attention inputs ``h`` ``[n, hidden]``."""
+    def qkv(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Adapter-free linear projections ``h W (+ b)`` of attention inputs ``h`` ``[n, hidden]``
+        at ``layer``, from the fused q/k/v weight: ``q_lin`` ``[n, n_heads * head_dim]``,
+        ``k_lin`` / ``v_lin`` ``[n, n_kv_heads * head_dim]`` (:meth:`finish_kv` turns the last
+        two into cache entries)."""
         c, w = self.config, self.layers[layer]
-        _, k_lin, v_lin = linear(h, w["qkv"], w["qkv_bias"]).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        return self.finish_kv(layer, k_lin, v_lin, cos, sin)
+        return linear(h, w["qkv"], w["qkv_bias"]).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
 
     def _attention_input(self, x, i, groups, cos, sin) -> LayerInput:
         c, w = self.config, self.layers[i]
         h = rms_norm(x, w["input_norm"], c.rms_norm_eps)
-        qkv = linear(h, w["qkv"], w["qkv_bias"])  # [N, q + 2 kv]
-        q_lin, k_lin, v_lin = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q_lin, k_lin, v_lin = self.qkv(i, h)  # [N, q], [N, kv], [N, kv]
         q = add_lora(q_lin, h, groups, i, "q_proj").view(-1, c.num_heads, c.head_dim)
         if w["q_norm"] is not None:
             q = rms_norm(q, w["q_norm"], c.rms_norm_eps)
@@ -340,60 +248,6 @@ class LlamaModel:
         return linear(last, self.lm_head).float()
 
 
-class DenseAttention:
-    """Cache-free causal self-attention of each row over its own adapted K/V.
-
-    The reference full-sequence forward: no cache is read or written. A layer with a sliding
-    window (``config.window(layer)``) masks key positions ``p <= t - window`` for query ``t``.
-    """
-
-    def __init__(self, rows: list[Row]):
-        self.rows = rows
-
-    def attend(self, x: LayerInput) -> torch.Tensor:
-        out = torch.empty(x.q.shape[0], x.q.shape[1] * x.q.shape[2], dtype=x.q.dtype, device=x.q.device)
-        window = x.model.config.window(x.layer)
-        for row in self.rows:
-            k, v = x.adapted_kv(row.slice, row.adapter)
-            q = x.q[row.slice].transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
-            n = row.end - row.start
-            mask = None
-            if window is not None and n > window:
-                pos = torch.arange(n, device=q.device)
-                delta = pos[:, None] - pos[None, :]  # query minus key position
-                mask = (delta >= 0) & (delta < window)  # [n, n]
-            o = F.scaled_dot_product_attention(
-                q,
-                k.transpose(0, 1).unsqueeze(0),
-                v.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask,
-                is_causal=mask is None,
-                enable_gqa=True,
-            )
-            out[row.slice] = o[0].transpose(0, 1).reshape(n, -1)
-        return out
-
-
-def dense_logits(
-    model: LlamaModel, sequences: list[list[int]], adapters: list | None = None
-) -> list[torch.Tensor]:
-    """Logits ``[len(seq), vocab]`` of every position of each sequence, all run as one mixed batch.
-
-    ``adapters[i]`` is sequence i's adapter (None: base model). Positions start at 0 in each row.
-    """
-    adapters = adapters or [None] * len(sequences)
-    rows, start = [], 0
-    for seq, adapter in zip(sequences, adapters, strict=True):
-        rows.append(Row(start, start + len(seq), adapter))
-        start += len(seq)
-    ids = torch.tensor([t for seq in sequences for t in seq], device=model.device)
-    positions = torch.cat([torch.arange(len(seq), device=model.device) for seq in sequences])
-    logits = model.forward(ids, positions, rows, DenseAttention(rows), logits_at=list(range(start)))
-    return [logits[row.slice] for row in rows]
-
-
-# the HF families this forward implements (their differences are ModelConfig fields)
-MODEL_REGISTRY.register("llama", LlamaModel)
-MODEL_REGISTRY.register("mistral", LlamaModel)
-MODEL_REGISTRY.register("qwen2", LlamaModel)
-MODEL_REGISTRY.register("qwen3", LlamaModel)
+# the HF families this forward implements (their differences are ModelConfig fields: config_fields)
+for _model_type in ("llama", "mistral", "qwen2", "qwen3"):
+    MODEL_REGISTRY.register(_model_type, LlamaModel)

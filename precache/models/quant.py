@@ -43,14 +43,14 @@ INT4_GROUP_SIZE = 32
 _QMAX = 127
 #: rows up to which a product runs in the int8 kernel; more rows multiply the dequantized weight
 INT8_KERNEL_MAX_ROWS = 128
-_SCRATCH: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # Int8Weight._dequantized_scratch
+_SCRATCH: dict[torch.device, torch.Tensor] = {}  # Int8Weight._scratch
 
 
 @dataclass(frozen=True)
 class Int8Weight:
     """A weight matrix as int8 ``qweight`` ``[d_out, d_in]`` and bf16 ``scales`` ``[d_out]``
     (module docstring: the formula). Built by :meth:`quantize`; used by
-    :func:`precache.models.llama.linear` in place of a dense weight."""
+    :func:`precache.models.layers.linear` in place of a dense weight."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -58,7 +58,7 @@ class Int8Weight:
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int8Weight:
         """Per-output-row symmetric int8 of ``weight`` ``[d_out, d_in]`` (any float dtype). The
-        scale is rounded to bf16 first, so ``dequantize()`` is exactly what the kernel multiplies."""
+        scale is rounded to bf16 first, so :meth:`dequantize` is exactly what the kernel multiplies."""
         w = weight.detach().float()
         scales = (w.abs().amax(dim=1) / _QMAX).clamp(min=torch.finfo(torch.bfloat16).tiny)
         scales = scales.to(torch.bfloat16)
@@ -69,34 +69,35 @@ class Int8Weight:
     def shape(self) -> torch.Size:
         return self.qweight.shape
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``s ⊙ Q`` ``[d_out, d_in]`` at ``dtype``: the weight this int8 weight stands for."""
-        return (self.qweight.float() * self.scales.float()[:, None]).to(dtype)
+    def dequantize(self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``s ⊙ Q`` ``[d_out, d_in]`` at ``dtype``: the weight this int8 weight stands for, computed
+        in fp32 (in ``out``, an fp32 ``[d_out, d_in]`` tensor, when given) and then cast."""
+        w = torch.empty(self.shape, dtype=torch.float32, device=self.qweight.device) if out is None else out
+        w.copy_(self.qweight).mul_(self.scales.float()[:, None])
+        return w if dtype == torch.float32 else w.to(dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x Wᵀ`` for ``x`` ``[N, d_in]``: ``[N, d_out]`` at ``x``'s dtype. Up to
         :data:`INT8_KERNEL_MAX_ROWS` rows (decode, small batches) the product runs in bf16 with fp32
         accumulation in the int8 kernel (``aten._weight_int8pack_mm``), which reads a quarter of
-        fp32's bytes; more rows (prefill) multiply ``dequantize()`` at ``x``'s dtype, where the
+        fp32's bytes; more rows (prefill) multiply :meth:`dequantize` at ``x``'s dtype, where the
         dense product is faster than the int8 kernel (a 512-row prefill: 11 against 14 ms for a
         3072 x 576 weight on 2 cores) and the weight is read once for all rows."""
         if x.shape[0] > INT8_KERNEL_MAX_ROWS:
-            return torch.nn.functional.linear(x, self._dequantized_scratch(x.dtype, x.device))
+            return torch.nn.functional.linear(x, self.dequantize(x.dtype, out=self._scratch(x.device)))
         y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.qweight, self.scales)
         return y.to(x.dtype)
 
-    def _dequantized_scratch(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """``dequantize()`` written into a buffer reused by every weight (valid until the next
-        call): a fresh fp32 copy per product cost a prefill forward 160 ms of page faults here.
-        Forwards run on one compute thread (:mod:`precache.compute`), one product at a time."""
+    def _scratch(self, device: torch.device) -> torch.Tensor:
+        """An fp32 ``[d_out, d_in]`` view of a buffer every weight reuses (valid until the next
+        call), for :meth:`dequantize` in a prefill product: a fresh fp32 copy per product cost a
+        prefill forward 160 ms of page faults here. Forwards run on one compute thread
+        (:mod:`precache.compute`), one product at a time."""
         n = self.qweight.numel()
-        key = (dtype, device)
-        buf = _SCRATCH.get(key)
+        buf = _SCRATCH.get(device)
         if buf is None or buf.numel() < n:
-            buf = _SCRATCH[key] = torch.empty(n, dtype=torch.float32, device=device)
-        w = buf[:n].view(self.shape)
-        w.copy_(self.qweight).mul_(self.scales.float()[:, None])
-        return w if dtype == torch.float32 else w.to(dtype)
+            buf = _SCRATCH[device] = torch.empty(n, dtype=torch.float32, device=device)
+        return buf[:n].view(self.shape)
 
     def nbytes(self) -> int:
         """Bytes held: the int8 matrix and the scales."""
@@ -109,7 +110,7 @@ class Int4Weight:
     (module docstring: the formula): ``packed`` (``aten._convert_weight_to_int4pack_for_cpu``'s
     layout, ``[d_out, d_in / 2]`` uint8) for the decode kernel, ``qweight`` ``[d_out, d_in]`` (uint8,
     0..15) for the prefill product, ``scales_and_zeros`` ``[d_in / group, d_out, 2]`` (bf16).
-    Built by :meth:`quantize`; used by :func:`precache.models.llama.linear` in place of a dense
+    Built by :meth:`quantize`; used by :func:`precache.models.layers.linear` in place of a dense
     weight."""
 
     packed: torch.Tensor
@@ -167,7 +168,7 @@ class Int4Weight:
         return self.packed.numel() + 2 * self.scales_and_zeros.numel()
 
 
-#: the weight types :func:`precache.models.llama.linear` multiplies with their own kernel
+#: the weight types :func:`precache.models.layers.linear` multiplies with their own kernel
 QUANTIZED_WEIGHTS = (Int8Weight, Int4Weight)
 
 

@@ -14,10 +14,14 @@ that length, where HF's frequencies are the static ones, and refuse positions pa
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from precache.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
 
 
 def _params(hf_config) -> dict:
@@ -67,6 +71,30 @@ def static_position_limit(hf_config) -> int | None:
     if rope_type == "longrope":
         return int(params.get("original_max_position_embeddings") or hf_config.max_position_embeddings)
     return None
+
+
+def context_length(hf_config, max_position_embeddings: int, max_context: int | None) -> int:
+    """The context a model serves, in tokens: ``max_context`` (None: ``max_position_embeddings``),
+    capped at :func:`static_position_limit` (logged when it cuts).
+
+    Raises:
+        ModelLoadError: ``max_context`` is past the static range of a dynamic / longrope RoPE.
+    """
+    limit = static_position_limit(hf_config)
+    wanted = max_context or max_position_embeddings
+    if limit is None:
+        return wanted
+    rope_type = hf_config.rope_parameters["rope_type"]
+    if max_context is not None and max_context > limit:
+        raise ModelLoadError(
+            f"max_context={max_context} is past {limit}, where '{rope_type}' RoPE recomputes its "
+            f"frequencies from the sequence length (rope_parameters.rope_type): keys in a KV cache "
+            f"cannot follow; use max_context <= {limit}"
+        )
+    context = min(wanted, limit)
+    if context < wanted:
+        logger.info("context capped at %d tokens: '%s' RoPE is static only up to there", context, rope_type)
+    return context
 
 
 def _inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:

@@ -43,7 +43,7 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
 from precache.models.contract import DecodeStepInputs, DecodeStepOutputs
-from precache.models.llama import rms_norm, split_product
+from precache.models.layers import rms_norm, split_product
 from precache.models.quant import Int4Weight, Int8Weight
 from precache.models.rope import RotaryEmbedding
 from precache.terminal import progress

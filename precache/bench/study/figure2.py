@@ -3,7 +3,7 @@ layer and agent transition, the shared base cache a method hands the current age
 one it would build from its own adapted hidden states, and the hidden-state errors that explain it.
 
 The hidden states come from dense teacher-forced forwards with one adapter per row
-(:class:`~precache.models.llama.DenseAttention`), not from the engine's caches.
+(:class:`~precache.models.dense.DenseAttention`), not from the engine's caches.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from precache.models import Row
-from precache.models.llama import DenseAttention
+from precache.models.dense import DenseAttention
 
 # Figure 2: the method whose shared cache is compared, and which forward wrote it (see transition_errors)
 FIGURE2_SOURCES = {"fullshared": "previous_full", "prelrshared": "previous", "rebaseshared": "neutral"}
