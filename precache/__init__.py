@@ -1,7 +1,7 @@
 """precache: KV cache sharing for multi-LoRA agent systems (PreLRShared, ReBaseShared)."""
 
 from precache.config import SamplingParams, StructuredOutput
-from precache.engine import Engine, Session, Turn
+from precache.engine import Engine, EngineConfig, Session, Turn
 from precache.errors import (
     AdapterError,
     CacheCapacityError,
@@ -29,6 +29,7 @@ __all__ = [
     "ContextLengthError",
     "EmptyRequestError",
     "Engine",
+    "EngineConfig",
     "LoRAAdapter",
     "ModelLoadError",
     "OutOfBlocksError",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from precache.engine import Phase, RequestState, SchedulerConfig, run_concurrently
+from precache.engine import Phase, RequestState, run_concurrently
 from precache.errors import (
     ContextLengthError,
     RequestCancelledError,
@@ -86,7 +86,7 @@ def test_chunked_prefill_within_the_step_budget_gives_the_same_tokens(tiny):
     engine = make_engine(model, dirs, "rebaseshared-lp", prefix_caching=False)  # every prompt is prefilled
     prompts = [_ids(seed, 20) for seed in range(3)]
     whole = engine.generate_batch(prompts, agent="plan", max_new_tokens=4)
-    engine.scheduler.config = SchedulerConfig(max_running=2, max_step_tokens=8)
+    engine.configure(max_running=2, max_step_tokens=8)
     sessions = [engine.session() for _ in prompts]
     requests = []
     for s, prompt in zip(sessions, prompts, strict=True):

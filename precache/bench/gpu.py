@@ -37,7 +37,6 @@ from precache.bench.hf_peft import METHOD_NAME, HFPeftAgents
 from precache.bench.replay import replay_engine
 from precache.bench.suite import run_suite
 from precache.bench.trace import Trace, load_trace, token_stream
-from precache.engine.scheduler import SchedulerConfig
 from precache.models import model_from_hf
 from precache.resources import trace_path
 
@@ -118,11 +117,15 @@ def save_adapters(model, folder: Path, targets: tuple[str, ...], rank: int = 8, 
 
 
 def _engine(model, adapters, method: str, kv_bytes: int, max_running: int = 64):
-    engine = precache.Engine(
-        model, adapters=adapters, method=method, kv_cache_bytes=kv_bytes, prefix_caching=False
+    return precache.Engine(
+        model,
+        adapters=adapters,
+        method=method,
+        kv_cache_bytes=kv_bytes,
+        prefix_caching=False,
+        max_running=max_running,
+        max_step_tokens=8192,
     )
-    engine.scheduler.config = SchedulerConfig(max_running=max_running, max_step_tokens=8192)
-    return engine
 
 
 def _kv_budget(model, tokens: int) -> int:

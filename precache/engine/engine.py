@@ -6,33 +6,29 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar, Unpack
 
-import torch
-
 from precache.cache.attention import default_backend, get_backend
 from precache.cache.plan import run_plans
-from precache.cache.pool import DEFAULT_BLOCK_SIZE
 from precache.compute import on_compute
 from precache.config import SamplingOptions
 from precache.engine.concurrency import run_concurrently
+from precache.engine.config import EngineConfig, EngineOptions, spare_lr_slots
 from precache.engine.detokenize import token_bytes
 from precache.engine.outputs import Turn
 from precache.engine.request import Request
-from precache.engine.scheduler import Batch, Scheduler
+from precache.engine.rows import Batch
+from precache.engine.scheduler import Scheduler
 from precache.engine.session import Session
-from precache.engine.swap_space import SwapSpace, check_swap_space_bytes, default_swap_space_bytes
+from precache.engine.swap_space import SwapSpace
 from precache.errors import AdapterBusyError, AdapterError, AdapterLimitError, UnknownAdapterError
 from precache.lora.adapter import LoRAAdapter, load_adapter
-from precache.methods import METHOD_REGISTRY, make_method
+from precache.methods import make_method
 from precache.models import load_model
-from precache.models.quant import resolve_kv_cache_dtype
 
 logger = logging.getLogger(__name__)
-
-#: ``max_lora_rank`` when not given: vLLM's default, or the largest rank of the adapters given
-DEFAULT_MAX_LORA_RANK = 16
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -45,23 +41,12 @@ TOKENIZER_LOCK = threading.RLock()
 class Engine:
     """Multi-LoRA inference over shared trajectories.
 
-    ``Engine(model, adapters={"plan": DIR, ...}, method="prelrshared")``: ``model`` from
-    :func:`precache.load_model` (None: the embedded default), adapters as PEFT folders (or loaded
-    :class:`LoRAAdapter` s) by agent name, ``method`` one of :data:`precache.methods.METHODS`.
-    Every trajectory's caches live in one block pool (``self.pool``) of ``kv_cache_bytes`` bytes
-    (default: room for ``n_agents + 2`` caches at the context length), in blocks of
-    ``block_size`` tokens, shared by forks and (``prefix_caching``) by trajectories with a common
-    token prefix. ``attention_backend`` names the attention kernel (``"torch"`` or ``"triton"``;
-    default: ``"triton"`` on CUDA when triton is installed, else ``"torch"``). ``max_adapters``
-    bounds the adapters loaded at once, counting those :meth:`add_adapter` adds later, and
-    ``max_lora_rank`` their rank, under every method; split methods reserve LR-cache columns for the
-    spare ones, ``max_lora_rank`` each (default: the largest of 16 and the given ranks). None: no
-    bound, except that a split method then has no spare LR columns (no adapter can be added).
-    ``kv_cache_dtype`` stores the pool's K/V and LR entries in another dtype than the model's
-    (:func:`~precache.models.quant.resolve_kv_cache_dtype`; vLLM's ``kv_cache_dtype``; default: the
-    model's ``kv_cache_dtype`` from :func:`precache.load_model`, else its dtype): ``"bfloat16"`` halves an fp32
-    model's cache and what each decode step reads from it; entries are rounded once when written
-    and widened to the model's dtype when read (error against an fp32 cache: README, "KV-cache dtype").
+    ``Engine(model, adapters={"plan": DIR, ...}, method="prelrshared", kv_cache_bytes=N)``: ``model``
+    from :func:`precache.load_model` (None: the embedded default), adapters as PEFT folders (or
+    loaded :class:`LoRAAdapter` s) by agent name, then the configuration, fixed once built
+    (``self.config``): the fields of :class:`~precache.engine.config.EngineConfig` as keyword
+    arguments (each documented there), or ``config=`` a whole one (keyword arguments then replace
+    its fields). Every trajectory's caches live in one block pool (``self.pool``).
 
     Raises:
         UnknownMethodError: ``method`` does not exist.
@@ -69,75 +54,50 @@ class Engine:
         ImportError: ``attention_backend="triton"`` without triton installed.
         CacheCapacityError: ``kv_cache_bytes`` holds no block.
         AdapterError: an adapter folder is missing, malformed, or does not fit the model.
-        ValueError: ``max_adapters`` below the adapters given, or ``max_lora_rank`` below their ranks,
-            or an unknown ``kv_cache_dtype``, or ``swap_space_bytes`` not an integer >= 0.
+        ValueError: ``max_adapters`` / ``max_lora_rank`` below the adapters given, an unknown
+            ``kv_cache_dtype``, or a field :class:`EngineConfig` refuses.
+        TypeError: a keyword argument that is no :class:`EngineConfig` field.
     """
 
     def __init__(
         self,
         model=None,
         adapters: dict[str, str | os.PathLike | LoRAAdapter] | None = None,
-        method: str = "prelrshared",
-        kv_cache_bytes: int | None = None,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        prefix_caching: bool = True,
-        attention_backend: str | None = None,
-        max_adapters: int | None = None,
-        max_lora_rank: int | None = None,
-        kv_cache_dtype: str | torch.dtype | None = None,
-        swap_space_bytes: int | None = None,
+        *,
+        config: EngineConfig | None = None,
+        **options: Unpack[EngineOptions],
     ):
-        METHOD_REGISTRY.canonical(method)  # raises UnknownMethodError before any loading
-        if swap_space_bytes is None:
-            swap_space_bytes = default_swap_space_bytes()
-        check_swap_space_bytes(swap_space_bytes)
+        # checked before any loading (an unknown method raises UnknownMethodError)
+        self.config = config = replace(config or EngineConfig(), **options)
         self.model = model if model is not None else load_model()
-        if kv_cache_dtype is None:  # the model's default (load_model's kv_cache_dtype)
-            kv_cache_dtype = self.model.kv_cache_dtype
-        cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.model.dtype)
         self.tokenizer = self.model.tokenizer
         self.adapters: dict[str, LoRAAdapter] = {}
         for name, src in (adapters or {}).items():
             if not isinstance(name, str) or not name:
                 raise AdapterError(f"adapter names must be non-empty strings, got {name!r}")
-            adapter = (
-                src if isinstance(src, LoRAAdapter) else load_adapter(Path(src), self.model.config, name)
-            )
-            self.adapters[name] = adapter.to(self.model.dtype, self.model.device)
-        spare, self.max_lora_rank = self._spare_slots(max_adapters, max_lora_rank)
-        # what add_adapter enforces under every method (split methods also by their LR columns)
-        self.max_adapters, self.rank_bound = max_adapters, max_lora_rank
+            self.adapters[name] = self._load_adapter(name, src).to(self.model.dtype, self.model.device)
+        spare, self.max_lora_rank = spare_lr_slots(config, [a.rank for a in self.adapters.values()])
         self.method = make_method(
-            method,
+            config.method,
             self.model,
             self.adapters,
-            kv_cache_bytes=kv_cache_bytes,
-            block_size=block_size,
-            prefix_caching=prefix_caching,
+            kv_cache_bytes=config.kv_cache_bytes,
+            block_size=config.block_size,
+            prefix_caching=config.prefix_caching,
             spare_lr_slots=spare,
             spare_lr_rank=self.max_lora_rank,
-            kv_cache_dtype=cache_dtype,
+            kv_cache_dtype=config.pool_dtype(self.model),
         )
         self.pool = self.method.pool
-        self.attention = get_backend(attention_backend or default_backend(self.model.device))
+        self.attention = get_backend(config.attention_backend or default_backend(self.model.device))
         self.eos_token_ids = self._eos_ids()
-        self.swap_space = SwapSpace(self.pool, swap_space_bytes)
+        self.swap_space = SwapSpace(self.pool, config.host_swap_bytes())
         self.scheduler = Scheduler(
-            self._forward, pool=self.pool, runner=on_compute, swap_space=self.swap_space
+            self._forward, config.scheduler, pool=self.pool, runner=on_compute, swap_space=self.swap_space
         )
 
-    def _spare_slots(self, max_adapters: int | None, max_lora_rank: int | None) -> tuple[int, int]:
-        """LR-cache slots to reserve for adapters added later, and their rank."""
-        ranks = [a.rank for a in self.adapters.values()]
-        for what, value in (("max_adapters", max_adapters), ("max_lora_rank", max_lora_rank)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{what} must be an integer >= 1 or None, got {value!r}")
-        if max_adapters is not None and max_adapters < len(self.adapters):
-            raise ValueError(f"max_adapters={max_adapters} is below the {len(self.adapters)} adapters given")
-        rank = max_lora_rank if max_lora_rank is not None else max([DEFAULT_MAX_LORA_RANK, *ranks])
-        if ranks and max(ranks) > rank:
-            raise ValueError(f"max_lora_rank={rank} is below the largest given adapter rank {max(ranks)}")
-        return (0 if max_adapters is None else max_adapters - len(self.adapters)), rank
+    def _load_adapter(self, name: str, src: str | os.PathLike | LoRAAdapter) -> LoRAAdapter:
+        return src if isinstance(src, LoRAAdapter) else load_adapter(Path(src), self.model.config, name)
 
     # -- adapters at run time ---------------------------------------------------------------------
     def add_adapter(self, name: str, src: str | os.PathLike | LoRAAdapter) -> LoRAAdapter:
@@ -156,8 +116,9 @@ class Engine:
         """
         if not isinstance(name, str) or not name.strip():
             raise AdapterError(f"adapter names must be non-empty strings, got {name!r}")
-        adapter = src if isinstance(src, LoRAAdapter) else load_adapter(Path(src), self.model.config, name)
-        bound = self.max_lora_rank if self.method.splits_kv else self.rank_bound
+        adapter = self._load_adapter(name, src)
+        # bounds under every method (split methods also by their LR columns)
+        bound = self.max_lora_rank if self.method.splits_kv else self.config.max_lora_rank
         if bound is not None and adapter.rank > bound:
             raise AdapterLimitError(f"adapter '{name}' has rank {adapter.rank}, above max_lora_rank={bound}")
         adapter = adapter.to(self.model.dtype, self.model.device)
@@ -165,10 +126,11 @@ class Engine:
         def add() -> None:  # between two steps: the checks and the change see the same adapters
             if name in self.adapters:
                 raise AdapterError(f"adapter '{name}' is loaded already")
-            if self.max_adapters is not None and len(self.adapters) >= self.max_adapters:
+            limit = self.config.max_adapters
+            if limit is not None and len(self.adapters) >= limit:
                 raise AdapterLimitError(
                     f"cannot load adapter '{name}': {len(self.adapters)} adapters are loaded, "
-                    f"max_adapters={self.max_adapters}"
+                    f"max_adapters={limit}"
                 )
             self.method.add_adapter(name, adapter)
 
@@ -226,6 +188,45 @@ class Engine:
         ``swap_outs``, ``drops`` (sessions whose host copies were dropped) and ``rebuilt_tokens``
         (tokens prefilled again to rebuild them)."""
         return self.swap_space.usage()
+
+    # -- configuration and state, read-only to apps ----------------------------------------------
+    def configure(self, **limits: Unpack[EngineOptions]) -> EngineConfig:
+        """Change the scheduler's limits (``max_running``, ``max_step_tokens``) between two steps;
+        return the engine's new :class:`EngineConfig` (a server applies its own limits to the engine
+        it is given). Every other field is fixed once the engine is built.
+
+        Raises:
+            TypeError: a field other than the scheduler's limits.
+            ValueError: a limit below 1.
+        """
+        config = self.config.with_limits(**limits)
+
+        def apply() -> None:
+            self.config, self.scheduler.config = config, config.scheduler
+
+        self.scheduler.exclusive(apply)
+        return config
+
+    def set_idle_reclaim(self, reclaim: Callable[[int], int] | None) -> None:
+        """Let the owner of idle sessions give blocks back first when a step is short: ``reclaim(n)``
+        frees about ``n`` blocks (the server drops cached conversations) and returns the blocks it
+        freed (:class:`~precache.engine.preemption.Preemption`). None: no such owner."""
+        self.scheduler.preemption.reclaim = reclaim
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting to start or, preempted, to resume (read between steps)."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the batch (read between steps)."""
+        return len(self.scheduler.running)
+
+    @property
+    def has_work(self) -> bool:
+        """Some request is queued, waiting or running: :meth:`step` has something to do."""
+        return self.scheduler.has_work
 
     @property
     def method_name(self) -> str:

@@ -6,18 +6,31 @@ token from the same logits, then decodes in the same steps as the others."""
 from __future__ import annotations
 
 from precache.engine.request import Request
+from precache.engine.rows import RunningSet
+
+
+class ParallelSampling:
+    """The choice groups of one engine: a request with ``n > 1`` is the group's choice 0, its forks
+    (``request.children``) choices ``1..n-1``, which join ``running`` as they are forked."""
+
+    def __init__(self, running: RunningSet):
+        self.running = running
+
+    def sample_choices(self, request: Request, logits) -> None:
+        """Fork ``request``'s choices ``1..n-1`` now, if it asks for ``n > 1`` and has not forked
+        them yet (call it once its prompt's last chunk ran, before it samples): each joins
+        ``running`` and samples its first token from ``logits`` (``[vocab]``), the request's own."""
+        if not wants_choices(request):
+            return
+        session = request.session
+        for index in range(1, request.params.n):
+            fork = session.fork_open(len(session.token_ids))
+            request.children.append(Request.choice(request, fork, index))
+        for child in request.children:
+            self.running.add(child)
+            child.sample(logits)
 
 
 def wants_choices(request: Request) -> bool:
     """The request asks for more choices and has not forked them yet."""
     return request.params.n > 1 and request.parent is None and not request.children
-
-
-def fork_choices(request: Request) -> list[Request]:
-    """Choices ``1..n-1`` of ``request`` (its prompt prefilled, nothing sampled yet), each on a fork
-    of its session; they are appended to ``request.children`` and returned."""
-    session = request.session
-    for index in range(1, request.params.n):
-        fork = session.fork_open(len(session.token_ids))
-        request.children.append(request.fork(fork, index))
-    return request.children

@@ -17,22 +17,69 @@ younger can be swapped out.
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
+from collections.abc import Callable
 
 from precache.engine.request import Request, RequestState
+from precache.engine.rows import Batch, RunningSet
 from precache.engine.session import Session
 from precache.engine.swap_space import SwapSpace
 
 logger = logging.getLogger(__name__)
 
 
-def victim(running: list[Request], scheduled: set[int], than: Request) -> Request | None:
-    """The youngest running request younger than ``than`` and not in this step's batch (ids in
-    ``scheduled``), or None."""
-    younger = [r for r in running if r.priority > than.priority and r.id not in scheduled]
-    return max(younger, key=lambda r: r.priority, default=None)
+class Preemption:
+    """Who gives blocks back when a step is short of them, for one engine. It owns the host
+    ``swap_space``, the engine's live sessions (:meth:`track`; idle ones are swapped out before any
+    request is preempted), the idle-session hook ``reclaim`` and ``preemptions`` (requests swapped
+    out over the engine's life). A preempted request leaves ``running`` and goes back to the
+    waiting queue through ``requeue``.
+
+    ``reclaim(n)``, when set, lets the owner of idle sessions give back about ``n`` blocks (the
+    server drops cached conversations) and returns the blocks it freed.
+    """
+
+    def __init__(self, swap_space: SwapSpace, running: RunningSet, requeue: Callable[[Request], None]):
+        self.swap_space, self.running, self.requeue = swap_space, running, requeue
+        self.reclaim: Callable[[int], int] | None = None
+        self.preemptions = 0
+        self._sessions: weakref.WeakSet = weakref.WeakSet()  # every session of the engine
+        self._sessions_lock = threading.Lock()  # sessions are made on any thread
+
+    def track(self, session: Session) -> None:
+        """Know ``session`` (any thread): an idle one may be swapped out when the pool needs blocks."""
+        with self._sessions_lock:
+            self._sessions.add(session)
+
+    def sessions(self) -> list[Session]:
+        """The engine's live sessions, a snapshot."""
+        with self._sessions_lock:
+            return list(self._sessions)
+
+    def make_room(self, short: int, than: Request, batch: Batch, preempt: bool) -> int:
+        """Give back at least ``short`` blocks if possible: idle sessions first (``reclaim``, then
+        swapped out), then, with ``preempt``, the youngest running requests younger than ``than``
+        and not in ``batch``; returns the blocks freed."""
+        freed = self.reclaim(short) if self.reclaim is not None else 0
+        for session in idle_victims(self.sessions()) if freed < short else ():
+            if freed >= short:
+                break
+            freed += self.swap_space.swap_out(session)
+        scheduled = {q.id for q in batch.requests}
+        while preempt and freed < short:
+            victim = self.running.youngest(than, scheduled)
+            if victim is None:
+                break
+            freed += preempt_request(victim, self.swap_space)
+            self.running.remove(victim)
+            self.requeue(victim)
+            batch.preempted += 1
+            self.preemptions += 1
+        return freed
 
 
-def preempt(request: Request, space: SwapSpace) -> int:
+def preempt_request(request: Request, space: SwapSpace) -> int:
     """Swap ``request``'s session caches out; the request is PREEMPTED. Returns the blocks freed."""
     freed = space.swap_out(request.session)
     request.state = RequestState.PREEMPTED

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from precache.engine.request import Request, RequestState
-from precache.engine.scheduler import SchedulerConfig
 from precache.errors import (
     AdapterBusyError,
     CacheCapacityError,
@@ -49,7 +48,8 @@ def error_status(exc: BaseException) -> tuple[int, str, str]:
 
 class ServerLoop:
     """The only thread that steps the engine (whose batching limits it sets from
-    ``config.max_running`` and ``config.max_step_tokens``) and touches the sessions.
+    ``config.max_running`` and ``config.max_step_tokens``, :meth:`Engine.configure`) and touches the
+    sessions.
 
     Handlers talk to it through a thread-safe inbox: :meth:`submit`, :meth:`cancel` and
     :meth:`call` (run a function on the session pool between steps, e.g. integrity checks).
@@ -57,9 +57,9 @@ class ServerLoop:
 
     def __init__(self, engine, config: ServerConfig, metrics: ServerMetrics):
         self.engine, self.config, self.metrics = engine, config, metrics
-        engine.scheduler.config = SchedulerConfig(config.max_running, config.max_step_tokens)
+        engine.configure(max_running=config.max_running, max_step_tokens=config.max_step_tokens)
         self.pool = SessionPool(engine, config.min_fork_tokens)
-        engine.scheduler.reclaim = self.pool.reclaim
+        engine.set_idle_reclaim(self.pool.reclaim)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: list[Job] = []  # waiting for their conversation's session
         self._jobs: list[Job] = []  # with an engine request, until it and its choices are over
@@ -166,7 +166,7 @@ class ServerLoop:
                 self._admit()
                 self._flow_control()
                 ran = False
-                if self.engine.scheduler.has_work:
+                if self.engine.has_work:
                     batch = self.engine.step()
                     ran = bool(batch.requests or batch.finished or batch.preempted)
                     if batch.requests:
@@ -280,7 +280,7 @@ class ServerLoop:
                 continue
             self._jobs.append(job)
         self._pending = pending
-        self.metrics.waiting.set(len(pending) + len(self.engine.scheduler.waiting))
+        self.metrics.waiting.set(len(pending) + self.engine.num_waiting)
 
     def _relay(self) -> None:
         """Send each choice's new tokens and, once its turn closed, the turn; end the jobs whose
@@ -290,7 +290,7 @@ class ServerLoop:
                 self._relay_choice(job, request)
             if job.request.all_finished:
                 self._end(job)
-        self.metrics.running.set(len(self.engine.scheduler.running))
+        self.metrics.running.set(self.engine.num_running)
         usage = self.engine.cache_usage()
         self.metrics.cache_bytes.set(usage["allocated"])
         self.metrics.pool_usage(usage)
