@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import precache
 from precache.bench.common import special_ids
-from precache.bench.llama_cpp import LlamaServer, find_llama_cpp, gguf_adapter, gguf_model
+from precache.bench.llama_cpp_gguf import find_llama_cpp, gguf_adapter, gguf_model
+from precache.bench.llama_server import LlamaServer
 from precache.bench.trace import parse_trace, token_stream
 from precache.resources import adapter_set
 

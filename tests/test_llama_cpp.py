@@ -8,13 +8,8 @@ import warnings
 
 import pytest
 
-from precache.bench.llama_cpp import (
-    CONFIGS,
-    LlamaCppMissingError,
-    find_llama_cpp,
-    llama_cpp_runners,
-    parse_baselines,
-)
+from precache.bench.llama_cpp import CONFIGS, llama_cpp_runners, parse_baselines
+from precache.bench.llama_cpp_gguf import LlamaCppMissingError, find_llama_cpp
 from precache.cli import main
 from precache.errors import PrecacheError
 

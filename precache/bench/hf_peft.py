@@ -20,7 +20,6 @@ from transformers import DynamicCache
 
 from precache.bench.replay import Replay
 from precache.bench.trace import Trace, TraceError
-from precache.engine.request import Turn
 
 METHOD_NAME = "hf-peft"
 
@@ -105,22 +104,11 @@ class HFPeftAgents:
         gc.collect()
         caches = {a: DynamicCache(config=self.config) for a in trace.agents}
         trajectory: list[int] = []
-        records, peak = [], 0
+        replay = Replay(METHOD_NAME, trace.total_tokens)
         for turn, ids in zip(trace.turns, stream, strict=True):
             trajectory.extend(ids)
             prefill = len(trajectory) - caches[turn.agent].get_seq_length()
             tokens, ttft, decode = self.turn(trajectory, turn.agent, caches[turn.agent], turn.decode_len)
             kv = sum(_cache_bytes(c) for c in caches.values())
-            peak = max(peak, kv)
-            records.append(
-                Turn(
-                    agent=turn.agent,
-                    token_ids=tokens,
-                    stop_reason="length",
-                    ttft_s=ttft,
-                    decode_s=decode,
-                    prefill_tokens=prefill,
-                    kv_bytes=kv,
-                )
-            )
-        return Replay(METHOD_NAME, trace.total_tokens, records, peak)
+            replay.add_baseline_turn(turn.agent, tokens, ttft, decode, prefill, kv)
+        return replay

@@ -1,6 +1,6 @@
 """Replay a trace on one engine session and measure each turn.
 
-Each replayed turn is an engine :class:`~precache.engine.request.Turn`: TTFT runs from the start of the turn's
+Each replayed turn is an engine :class:`~precache.engine.outputs.Turn`: TTFT runs from the start of the turn's
 prefill to the first sampled token, decode from there to the last token. A replay's total latency
 is the sum of its turn latencies plus ReBaseShared LP's post-turn neutral pass, which holds the
 single stream between turns without delaying the next turn's TTFT; throughput is the trajectory
@@ -10,10 +10,10 @@ length divided by that total.
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from precache.bench.trace import Trace, check_fits
-from precache.engine.request import Turn
+from precache.engine.outputs import Turn
 
 
 @dataclass
@@ -22,8 +22,34 @@ class Replay:
 
     method: str
     trajectory_tokens: int
-    turns: list[Turn]
-    peak_kv_bytes: int
+    turns: list[Turn] = field(default_factory=list)
+    peak_kv_bytes: int = 0
+
+    def add_baseline_turn(
+        self,
+        agent: str,
+        token_ids: list[int],
+        ttft_s: float,
+        decode_s: float,
+        prefill_tokens: int,
+        kv_bytes: int,
+    ) -> None:
+        """Record one greedy turn of a baseline (HF + PEFT, llama.cpp): exactly the trace turn's
+        ``decode_len`` tokens, so its stop reason is ``"length"``. ``ttft_s`` / ``decode_s`` in
+        seconds; ``kv_bytes``: the KV cache the baseline holds after the turn (bytes), which
+        raises ``peak_kv_bytes`` when larger."""
+        self.turns.append(
+            Turn(
+                agent=agent,
+                token_ids=token_ids,
+                stop_reason="length",
+                ttft_s=ttft_s,
+                decode_s=decode_s,
+                prefill_tokens=prefill_tokens,
+                kv_bytes=kv_bytes,
+            )
+        )
+        self.peak_kv_bytes = max(self.peak_kv_bytes, kv_bytes)
 
     def metrics(self) -> dict[str, float]:
         """Per-replay totals.
