@@ -1,14 +1,20 @@
 """Exception types a user can act on.
 
 Every error precache raises on bad input derives from :class:`PrecacheError`, so callers can
-catch one type; each message names the offending file, field or value.
+catch one type; each message names the offending file, field or value, and ``param`` names the
+request field at fault when there is one (the OpenAI server's ``error.param``).
 """
 
 from __future__ import annotations
 
 
 class PrecacheError(Exception):
-    """Base class of every error precache raises on bad input."""
+    """Base class of every error precache raises on bad input; ``param``: the request field at fault
+    (``prompt``, ``max_tokens``, ``stop_token_ids``, ...), or None."""
+
+    def __init__(self, *args, param: str | None = None):
+        super().__init__(*args)
+        self.param = param
 
 
 class ModelLoadError(PrecacheError):
@@ -48,6 +54,10 @@ class ContextLengthError(PrecacheError, ValueError):
 
 class EmptyRequestError(PrecacheError, ValueError):
     """A request has nothing to process (no tokens, or max_new_tokens < 1)."""
+
+
+class InvalidParameterError(PrecacheError, ValueError):
+    """A sampling parameter this engine cannot honour (a token id outside the vocabulary)."""
 
 
 class StructuredOutputError(PrecacheError, ValueError):

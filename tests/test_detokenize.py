@@ -2,7 +2,7 @@
 tokens never come out as U+FFFD; ``Session.generate``, ``Session.stream`` and the server return the
 same text; stop strings are never returned, nor streamed in part (the OpenAI rule).
 
-The engine tests script the sampled ids (``precache.engine.request.sample`` replaced) on a tiny random
+The engine tests script the sampled ids (``precache.engine.decoding.sample`` replaced) on a tiny random
 model with SmolLM2's vocabulary, so the text is known: only the tokenizer is real (no weights load).
 """
 
@@ -115,6 +115,7 @@ def scripted(monkeypatch):
         turn_out = state["turn"]
         return state["ids"][len(turn_out.out)] if len(turn_out.out) < len(state["ids"]) else state["ids"][-1]
 
+    from precache.engine import decoding
     from precache.engine import request as turn_module
 
     original_sample = turn_module.Request.sample
@@ -123,7 +124,7 @@ def scripted(monkeypatch):
         state["turn"] = self
         return original_sample(self, logits)
 
-    monkeypatch.setattr(turn_module, "sample", fake_sample)
+    monkeypatch.setattr(decoding, "sample", fake_sample)
     monkeypatch.setattr(turn_module.Request, "sample", advance)
 
     def script(ids):
@@ -214,6 +215,7 @@ def test_the_agent_loop_keeps_its_trajectory_under_the_stop_rule(tmp_path, monke
 
     from precache.agents.data import get_question
     from precache.agents.loop import run_episode
+    from precache.engine import decoding
     from precache.engine import request as turn_module
     from tests.test_server_support import char_tokenizer
     from tests.tiny import save_random_adapter
@@ -240,7 +242,7 @@ def test_the_agent_loop_keeps_its_trajectory_under_the_stop_rule(tmp_path, monke
         t = current["turn"]
         return engine.encode(script[t.agent])[len(t.out)]
 
-    monkeypatch.setattr(turn_module, "sample", fake_sample)
+    monkeypatch.setattr(decoding, "sample", fake_sample)
     monkeypatch.setattr(turn_module.Request, "sample", advance)
     session = engine.session()
     episode = run_episode(session, get_question("5a832c3455429954d2e2ec41"), max_new_tokens=40)

@@ -19,7 +19,8 @@ from precache.config import SamplingOptions, SamplingParams
 from precache.engine.outputs import StreamChunk, Turn
 from precache.engine.request import Request
 from precache.engine.structured import check_structured_output
-from precache.errors import ContextLengthError, EmptyRequestError, SessionBusyError, UnknownAdapterError
+from precache.engine.validation import check_adapter, check_room, check_token_ids, params_from_options
+from precache.errors import ContextLengthError, EmptyRequestError, SessionBusyError
 
 
 @dataclass(eq=False)
@@ -30,8 +31,10 @@ class Session:
     t first (DESIGN.md, Notation; None: the base model, or a token whose cache blocks came from
     another trajectory with the same prefix). The caches live in ``state`` (see :mod:`precache.methods`).
     ``id`` names the trajectory (the server's ``session_id``); ``active`` is the request whose turn
-    runs on it (None between turns; set by the request as it opens); ``last_turn_end`` the trajectory length when the latest turn
-    closed (what was appended since is the next turn's :attr:`Turn.appended`). ``cache_salt``: the
+    runs on it (None between turns; the request reports its turn's opening, tokens and end through
+    :meth:`start_turn`, :meth:`extend_authors`, :meth:`add_token`, :meth:`close_turn` and
+    :meth:`commit_turn`, and the session writes its own fields); ``last_turn_end`` the trajectory
+    length when the latest turn closed (what was appended since is the next turn's :attr:`Turn.appended`). ``cache_salt``: the
     tenant (None: the default one); the trajectory reuses and publishes cache blocks by token prefix
     only among trajectories with the same salt (:mod:`precache.cache.prefix`), and its forks keep it.
     ``swapped``: the host copies of its caches while the engine has swapped them out; ``dropped``:
@@ -255,60 +258,49 @@ class Session:
         if not token_ids:
             raise EmptyRequestError("teacher forcing needs at least one token")
         params = self.validate(agent, {"max_new_tokens": len(token_ids)})
-        self.check_room(len(token_ids))
+        check_room(len(self.token_ids), self.engine.max_context, len(token_ids), param="token_ids")
         request = self.engine.submit(Request(self, agent, params, forced=list(token_ids)))
         self.engine.wait(request)
         return request.outcome()
 
     def validate(self, agent: str | None, kwargs: dict | SamplingParams) -> SamplingParams:
-        """Check a turn request against this session (the one place a library call is checked);
-        return its :class:`SamplingParams` (``kwargs``: its fields, or the parameters themselves).
+        """Check a turn request against this session (:mod:`precache.engine.validation`, the checks
+        the server runs too); return its :class:`SamplingParams` (``kwargs``: its fields as
+        :meth:`generate` takes them, or the parameters themselves).
 
         Raises:
             UnknownAdapterError, EmptyRequestError, ContextLengthError, ValueError: bad request.
         """
-        if agent is not None and agent not in self.engine.adapters:
-            loaded = ", ".join(self.engine.adapters) or "none"
-            raise UnknownAdapterError(f"adapter '{agent}' is not loaded (loaded: {loaded})")
-        params = kwargs if isinstance(kwargs, SamplingParams) else self._params(kwargs)
-        vocab = self.engine.model.config.vocab_size
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
-            bad = [t if isinstance(t, int) else t[0] for t in ids]
-            bad = [t for t in bad if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{name}: token ids must be in [0, {vocab}), got {bad[:5]}")
+        check_adapter(self.engine.adapters, agent)
+        params = kwargs if isinstance(kwargs, SamplingParams) else params_from_options(kwargs)
+        check_token_ids(params, self.engine.model.config.vocab_size)
         if params.structured_output is not None:
             check_structured_output(self.engine, params.structured_output)
-        self.check_room()
+        check_room(len(self.token_ids), self.engine.max_context)
         return params
 
-    @staticmethod
-    def _params(kwargs: dict) -> SamplingParams:
-        """:class:`SamplingParams` from keyword arguments (``stop`` as a string or a list,
-        ``logit_bias`` as a dict)."""
-        kwargs = dict(kwargs)
-        if "stop" in kwargs:
-            stop = kwargs["stop"]
-            kwargs["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if "stop_token_ids" in kwargs:
-            kwargs["stop_token_ids"] = tuple(int(t) for t in kwargs["stop_token_ids"] or ())
-        if isinstance(kwargs.get("logit_bias"), dict):
-            kwargs["logit_bias"] = tuple((int(t), float(b)) for t, b in kwargs["logit_bias"].items())
-        return SamplingParams(**kwargs)
+    # -- what the open turn reports (the request never writes these fields) ----------------------
+    def start_turn(self, request: Request) -> None:
+        """``request``'s turn is open on this session (until :meth:`commit_turn`)."""
+        self.active = request
 
-    def check_room(self, forced: int = 0) -> None:
-        """The trajectory holds a prompt and room for one more token (or ``forced`` more).
+    def extend_authors(self, agent: str | None, end: int) -> None:
+        """Tokens from ``len(authors)`` up to ``end`` were processed first by ``agent`` (None: the
+        base model, or blocks another trajectory published)."""
+        self.authors.extend([agent] * (end - len(self.authors)))
 
-        Raises:
-            EmptyRequestError, ContextLengthError.
-        """
-        n, limit = len(self.token_ids), self.engine.max_context
-        if not n:
-            raise EmptyRequestError("the trajectory is empty: append a prompt before generating")
-        if n >= limit:
-            raise ContextLengthError(f"the trajectory has {n} tokens, the context length is {limit}")
-        if n + forced > limit:
-            raise ContextLengthError(f"forcing {forced} tokens passes the context length {limit}")
+    def add_token(self, token_id: int) -> None:
+        """The open turn generated ``token_id``: it joins the trajectory."""
+        self.token_ids.append(token_id)
+
+    def close_turn(self) -> None:
+        """The open turn generated its last token: what is appended from now on is the next turn's."""
+        self.last_turn_end = len(self.token_ids)
+
+    def commit_turn(self, turn: Turn) -> None:
+        """The open turn is over (its post-turn pass too) and ``turn`` is its record: the session is
+        free for the next one."""
+        self.active, self.last_turn, self.last_used = None, turn, time.perf_counter()
 
     def _chunks(self, request: Request) -> Iterator[StreamChunk]:
         try:

@@ -1,7 +1,7 @@
 """OpenAI response bodies and stream chunks (``text_completion``, ``chat.completion``,
 ``chat.completion.chunk``) with ``n`` choices and log-probabilities in the OpenAI shapes.
 
-The text itself comes from the engine (:class:`~precache.engine.request.StreamChunk` pieces and
+The text itself comes from the engine (:class:`~precache.engine.outputs.StreamChunk` pieces and
 :attr:`Turn.text`, already by the OpenAI stop rule and whole characters only), so streamed and
 non-streamed answers are the same text as ``Session.generate``.
 """
@@ -12,7 +12,7 @@ import json
 import time
 import uuid
 
-from precache.engine.request import TokenLogprob, Turn
+from precache.engine.outputs import TokenLogprob, Turn
 from precache.server.jobs import finish_reason
 from precache.server.tool_parsers import ToolParser
 from precache.server.tools import ToolRequest
