@@ -3,9 +3,8 @@ session, submits one engine request (whose ``n`` choices the engine samples alon
 :meth:`Engine.step` and relays each choice's tokens and final turn to the job's handler. It has
 no scheduling policy of its own: admission, chunked prefill, preemption and parallel sampling are
 the engine's (:mod:`precache.engine.scheduler`); when the engine needs blocks, it asks this loop's
-session pool to drop idle conversations first (:meth:`SessionPool.reclaim`).
-
-Typed errors below the server become HTTP status codes here (:func:`error_status`).
+session pool to drop idle conversations first (:meth:`SessionPool.reclaim`). Typed errors below
+the server become HTTP status codes here (:func:`error_status`).
 """
 
 from __future__ import annotations
@@ -47,13 +46,10 @@ def error_status(exc: BaseException) -> tuple[int, str, str]:
 
 
 class ServerLoop:
-    """The only thread that steps the engine (whose batching limits it sets from
-    ``config.max_running`` and ``config.max_step_tokens``, :meth:`Engine.configure`) and touches the
-    sessions.
-
-    Handlers talk to it through a thread-safe inbox: :meth:`submit`, :meth:`cancel` and
-    :meth:`call` (run a function on the session pool between steps, e.g. integrity checks).
-    """
+    """The only thread that steps the engine (its batching limits set from ``config.max_running``
+    and ``config.max_step_tokens``) and touches the sessions. Handlers talk to it through a
+    thread-safe inbox: :meth:`submit`, :meth:`cancel` and :meth:`call` (run a function on the
+    session pool between steps, e.g. integrity checks)."""
 
     def __init__(self, engine, config: ServerConfig, metrics: ServerMetrics):
         self.engine, self.config, self.metrics = engine, config, metrics
@@ -123,8 +119,7 @@ class ServerLoop:
         count the engine's KV blocks: ``{"blocks", "blocks_free", "sessions_left", "jobs_left"}``
         (blocks published for prefix reuse count as free). Once every session is gone, ``blocks -
         blocks_free`` blocks held by nothing have leaked: ``bench soak``'s check. Call it from any
-        thread but the loop's.
-        """
+        thread but the loop's."""
         deadline = time.monotonic() + timeout_s
         while sum(self.call(lambda _: self.load()).result(timeout_s)) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -246,13 +241,11 @@ class ServerLoop:
                 flow.held_since = None
             elif flow.held_since is not None and now - flow.held_since > self.config.stream_stall_timeout_s:
                 self.metrics.refused.labels("stream_stalled").inc()
-                self._send_error(
-                    job,
-                    408,
+                message = (
                     f"the client did not read its stream for {self.config.stream_stall_timeout_s:g} s ("
-                    f"{flow.backlog} events waiting): the request was cancelled",
-                    "stream_stalled",
+                    f"{flow.backlog} events waiting): the request was cancelled"
                 )
+                self._send_error(job, 408, message, "stream_stalled")
                 flow.held_since = None
             for request in (job.request, *job.request.children):
                 request.held = flow.held_since is not None
@@ -314,14 +307,9 @@ class ServerLoop:
             if job.dropped:
                 return
             if request.index == 0:  # the request once (its prompt, its latency)
-                self.metrics.finished(
-                    job.model,
-                    time.perf_counter() - job.arrival,
-                    turn.prompt_tokens,
-                    turn.cached_tokens,
-                    turn.new_tokens,
-                    finish_reason(turn),
-                )
+                latency = time.perf_counter() - job.arrival
+                tokens = (turn.prompt_tokens, turn.cached_tokens, turn.new_tokens)
+                self.metrics.finished(job.model, latency, *tokens, finish_reason(turn))
             else:
                 self.metrics.generation_tokens.inc(turn.new_tokens)
             job.emit(turn)
