@@ -30,25 +30,21 @@ from precache.server.access import AccessLog
 from precache.server.adapters import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from precache.server.codec import Codec
 from precache.server.config import ServerConfig
-from precache.server.errors import APIError, error_body, install_error_handlers, quote
+from precache.server.errors import APIError, error_body, install_error_handlers, quote, refuse
 from precache.server.guard import KEY_SCOPE, Guard
 from precache.server.jobs import ErrorEvent, Job, JobGroup
 from precache.server.loop import ServerLoop
 from precache.server.metrics import ServerMetrics
 from precache.server.prompts import chat_prompt, completion_prompts, echo_text
 from precache.server.protocol import (
-    COMPLETION_DEFAULT_MAX_TOKENS,
-    STRUCTURED_FIELDS,
     ChatRequest,
     CompletionRequest,
     check_fields,
-    check_prompt,
-    check_room,
-    check_token_ids,
     check_unicode,
-    sampling_params,
+    checked_params,
 )
 from precache.server.responses import Renderer, sse
+from precache.server.shapes import STRUCTURED_FIELDS
 from precache.server.tenants import Tenants
 from precache.server.tool_parsers import get_parser
 from precache.server.tools import tool_constraint, tool_request
@@ -197,20 +193,12 @@ class _Api:
             tool_request(body.tools, body.tool_choice, body.parallel_tool_calls) if kind == "chat" else None
         )
         prompts = prompt_ids(body, tools)
-        for ids in prompts:
-            check_prompt(ids, self.engine.max_context)
-        room = self.engine.max_context - len(prompts[0])
-        params = sampling_params(body, COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else room)
-        for ids in prompts:
-            check_room(body, len(ids), params.max_new_tokens, self.engine.max_context)
-        check_token_ids(params, self.engine.model.config.vocab_size)
+        params = checked_params(body, prompts, self.engine.max_context, self.engine.model.config.vocab_size)
         constraint = tool_constraint(tools, self.tool_parser) if tools is not None else None
         if constraint is not None and params.structured_output is not None:
-            raise APIError(
-                400,
-                "tool_choice: a required or named tool call cannot be combined with a structured-output "
-                "constraint",
+            raise refuse(
                 "tool_choice",
+                "a required or named tool call cannot be combined with a structured-output constraint",
                 "invalid_value",
             )
         if constraint is not None:
@@ -220,7 +208,7 @@ class _Api:
                 check_structured_output(self.engine, params.structured_output)
             except StructuredOutputError as exc:
                 field = "tool_choice" if constraint is not None else _structured_field(body)
-                raise APIError(400, f"{field}: {exc}", field, "invalid_value") from None
+                raise refuse(field, str(exc), "invalid_value") from None
         tenant = Tenants.tenant(key, body.cache_salt)
         group = JobGroup(
             [

@@ -1,15 +1,20 @@
-"""Errors in the OpenAI format: ``{"error": {"message", "type", "param", "code"}}``, and the
-FastAPI handlers that turn every failure into one (a bad request never stops the server)."""
+"""Errors in the OpenAI format: ``{"error": {"message", "type", "param", "code"}}``, the 400s of
+the engine's typed errors (:func:`engine_refusal`), and the FastAPI handlers that turn every
+failure into one (a bad request never stops the server)."""
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from precache.errors import ContextLengthError, EmptyRequestError, PrecacheError
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +26,35 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def refuse(param: str, message: str, code: str = "unsupported_parameter") -> APIError:
+    """The 400 refusing request field ``param``: ``"<param>: <message>"``, ``param`` and ``code``."""
+    return APIError(400, f"{param}: {message}", param, code)
+
+
+#: the OpenAI ``code`` of the engine's typed errors a request body can cause (others: invalid_value)
+ENGINE_CODES: tuple[tuple[type[PrecacheError], str], ...] = (
+    (EmptyRequestError, "empty_prompt"),
+    (ContextLengthError, "context_length_exceeded"),
+)
+
+
+def engine_refusal(exc: PrecacheError) -> APIError:
+    """The 400 of a request the engine's validation (:mod:`precache.engine.validation`) refused:
+    its message, ``param`` the field the error names, ``code`` by its type (:data:`ENGINE_CODES`)."""
+    code = next((c for kind, c in ENGINE_CODES if isinstance(exc, kind)), "invalid_value")
+    return APIError(400, str(exc), exc.param, code)
+
+
+@contextmanager
+def engine_checks() -> Iterator[None]:
+    """Run the engine's checks of a request: a typed error they raise becomes its 400
+    (:func:`engine_refusal`)."""
+    try:
+        yield
+    except PrecacheError as exc:
+        raise engine_refusal(exc) from None
 
 
 #: the most characters of a client's value an error message quotes

@@ -3,7 +3,9 @@ refused with a 400 naming it, or ignored and logged when it cannot change the ou
 request's :class:`SamplingParams`.
 
 Every refusal is an :class:`APIError` 400 whose ``param`` names the field, raised before the request
-is queued. Extensions: vLLM's (through the client's ``extra_body``: ``top_k``, ``min_p``,
+is queued; what depends on the engine (the context length, token ids, the constraint compiling) is
+the engine's own check (:mod:`precache.engine.validation`), its typed error mapped by
+:func:`~precache.server.errors.engine_refusal`. Extensions: vLLM's (through the client's ``extra_body``: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``,
 ...) and ours: ``session_id`` pins a trajectory. README.md, "OpenAI-compatible server: what it
 supports and refuses", lists every field.
@@ -11,7 +13,6 @@ supports and refuses", lists every field.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -19,8 +20,9 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
-from precache.config import SamplingParams, StructuredOutput
-from precache.server.errors import APIError, quote, validation_error
+from precache.config import SamplingParams
+from precache.engine.validation import check_room, check_token_ids
+from precache.server.errors import APIError, engine_checks, quote, refuse, validation_error
 from precache.server.fields import IGNORED, REFUSED
 from precache.server.shapes import (
     ChatMessage,
@@ -29,6 +31,7 @@ from precache.server.shapes import (
     StructuredOutputs,
     Tool,
     ToolChoice,
+    structured_output,
 )
 
 logger = logging.getLogger(__name__)
@@ -143,10 +146,6 @@ def parse_request(cls: type[_Request], body: Any) -> _Request:
         raise validation_error(exc.errors()) from None
 
 
-def _refuse(param: str, message: str, code: str = "unsupported_parameter") -> APIError:
-    return APIError(400, f"{param}: {message}", param, code)
-
-
 def check_unicode(value: Any, path: str = "") -> None:
     """Refuse a string anywhere in ``value`` (a request body as plain data: dicts, lists, strings)
     that is not valid Unicode text: a lone UTF-16 surrogate (JSON ``"\\ud800"``), which no tokenizer
@@ -185,13 +184,13 @@ def check_fields(req: _GenerationRequest) -> None:
     for name in ("session_id", "request_id"):
         value = getattr(req, name)
         if value is not None and not 0 < len(value) <= MAX_ID_CHARS:
-            raise _refuse(
+            raise refuse(
                 name,
                 f"{name} must be a non-empty string of at most {MAX_ID_CHARS} characters",
                 "invalid_value",
             )
     if req.cache_salt is not None and not 0 < len(req.cache_salt) <= MAX_SALT_CHARS:
-        raise _refuse(
+        raise refuse(
             "cache_salt",
             f"cache_salt must be a non-empty string of at most {MAX_SALT_CHARS} characters",
             "invalid_value",
@@ -202,41 +201,39 @@ def check_fields(req: _GenerationRequest) -> None:
         elif name in REFUSED:
             accepted, why = REFUSED[name]
             if not any(value == ok and type(value) is type(ok) for ok in accepted):
-                raise _refuse(name, why)
+                raise refuse(name, why)
         else:
-            raise _refuse(name, "unknown field (README lists the supported ones)", "unknown_parameter")
+            raise refuse(name, "unknown field (README lists the supported ones)", "unknown_parameter")
     if isinstance(req, CompletionRequest) and req.tool_choice not in (None, "none"):
-        raise _refuse("tool_choice", "tool calling needs /v1/chat/completions")
+        raise refuse("tool_choice", "tool calling needs /v1/chat/completions")
     if req.stream_options is not None:
         if not req.stream:
-            raise _refuse("stream_options", "stream_options needs stream=true", "invalid_value")
+            raise refuse("stream_options", "stream_options needs stream=true", "invalid_value")
         if req.stream_options.continuous_usage_stats:
-            raise _refuse("stream_options", "continuous_usage_stats is not supported")
+            raise refuse("stream_options", "continuous_usage_stats is not supported")
     if req.best_of is not None and req.best_of != req.n:
-        raise _refuse(
+        raise refuse(
             "best_of", f"best_of must equal n ({req.n}): choosing the best of more samples is not supported"
         )
     if isinstance(req, ChatRequest):
         _check_chat(req)
     elif req.echo and req.logprobs is not None:
-        raise _refuse("echo", "echo with logprobs needs prompt log-probabilities, which are not computed")
+        raise refuse("echo", "echo with logprobs needs prompt log-probabilities, which are not computed")
 
 
 def _check_chat(req: ChatRequest) -> None:
     if req.continue_final_message and req.add_generation_prompt:
-        raise _refuse(
+        raise refuse(
             "continue_final_message",
             "cannot set both continue_final_message and add_generation_prompt to true",
             "invalid_value",
         )
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-        raise _refuse("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "invalid_value")
+        raise refuse("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "invalid_value")
     if req.top_logprobs and not req.logprobs:
-        raise _refuse(
-            "top_logprobs", "when using top_logprobs, logprobs must be set to true", "invalid_value"
-        )
+        raise refuse("top_logprobs", "when using top_logprobs, logprobs must be set to true", "invalid_value")
     if req.echo and req.logprobs:
-        raise _refuse("echo", "echo with logprobs needs prompt log-probabilities, which are not computed")
+        raise refuse("echo", "echo with logprobs needs prompt log-probabilities, which are not computed")
 
 
 def max_tokens_field(req: _GenerationRequest) -> tuple[str, int | None]:
@@ -245,6 +242,33 @@ def max_tokens_field(req: _GenerationRequest) -> tuple[str, int | None]:
     if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
         return "max_completion_tokens", req.max_completion_tokens
     return "max_tokens", req.max_tokens
+
+
+def checked_params(
+    req: _GenerationRequest, prompts: list[list[int]], max_context: int, vocab_size: int
+) -> SamplingParams:
+    """The request's :class:`SamplingParams` for its ``prompts`` (token ids; a completion's default
+    budget is OpenAI's 16 tokens, a chat's the room its prompt leaves), checked by the engine
+    (:mod:`precache.engine.validation`): each prompt leaves room for a token, then for the budget
+    (vLLM refuses a prompt plus ``max_tokens`` past the context, never clamps it), and the token ids
+    lie in the vocabulary.
+
+    Raises:
+        APIError: 400 naming the field (an engine check's typed error mapped by
+            :func:`~precache.server.errors.engine_refusal`).
+    """
+    with engine_checks():
+        for ids in prompts:
+            check_room(len(ids), max_context)
+    completion = isinstance(req, CompletionRequest)
+    params = sampling_params(
+        req, COMPLETION_DEFAULT_MAX_TOKENS if completion else max_context - len(prompts[0])
+    )
+    with engine_checks():
+        for ids in prompts:
+            check_room(len(ids), max_context, params.max_new_tokens, param=max_tokens_field(req)[0])
+        check_token_ids(params, vocab_size)
+    return params
 
 
 def sampling_params(req: _GenerationRequest, default_max_tokens: int) -> SamplingParams:
@@ -257,11 +281,11 @@ def sampling_params(req: _GenerationRequest, default_max_tokens: int) -> Samplin
     name, max_tokens = max_tokens_field(req)
     max_tokens = default_max_tokens if max_tokens is None else max_tokens
     if max_tokens < 1:
-        raise _refuse(name, f"{name} must be at least 1, got {max_tokens}", "invalid_value")
+        raise refuse(name, f"{name} must be at least 1, got {max_tokens}", "invalid_value")
     if not 1 <= req.n <= MAX_N:
-        raise _refuse("n", f"n must be in [1, {MAX_N}], got {req.n}", "invalid_value")
+        raise refuse("n", f"n must be in [1, {MAX_N}], got {req.n}", "invalid_value")
     if req.seed is not None and not SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]:
-        raise _refuse("seed", f"seed must be a 64-bit signed integer, got {req.seed}", "invalid_value")
+        raise refuse("seed", f"seed must be a 64-bit signed integer, got {req.seed}", "invalid_value")
     for name in (
         "temperature",
         "top_p",
@@ -272,14 +296,14 @@ def sampling_params(req: _GenerationRequest, default_max_tokens: int) -> Samplin
     ):
         value = getattr(req, name)
         if value is not None and not math.isfinite(value):
-            raise _refuse(name, f"{name} must be a finite number, got {value}", "invalid_value")
+            raise refuse(name, f"{name} must be a finite number, got {value}", "invalid_value")
     top = req.top_logprobs_asked()
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise _refuse("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "invalid_value")
+        raise refuse("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "invalid_value")
     bias = {}
     for key, value in (req.logit_bias or {}).items():
         if not _TOKEN_ID_KEY.fullmatch(key):  # one spelling per id: no "05", " 5" or full-width digits
-            raise _refuse(
+            raise refuse(
                 "logit_bias", f"keys must be token ids in decimal, got {quote(key)}", "invalid_value"
             )
         bias[int(key)] = float(value)
@@ -310,119 +334,4 @@ def sampling_params(req: _GenerationRequest, default_max_tokens: int) -> Samplin
     except ValueError as exc:  # the message starts with the field's name
         field = str(exc).split(" ", 1)[0]
         param = {"max_new_tokens": name}.get(field, field)
-        raise _refuse(param, str(exc), "invalid_value") from None
-
-
-#: the request fields that carry a structured-output constraint
-STRUCTURED_FIELDS = (
-    "response_format",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-)
-
-
-def structured_output(req: _GenerationRequest) -> StructuredOutput | None:
-    """The request's one structured-output constraint: OpenAI's ``response_format`` (``json_object``,
-    ``json_schema``) or vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
-    ``guided_grammar`` / ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``,
-    ``json_object``); None when it has none. The shapes are already checked (the request models).
-
-    Raises:
-        APIError: 400 naming the field: two constraints, or a value no constraint can be built from.
-    """
-    found: list[tuple[str, StructuredOutput]] = []
-    fmt = req.response_format
-    if fmt is not None and fmt.type == "json_object":
-        found.append(("response_format", StructuredOutput.json_object()))
-    elif fmt is not None and fmt.type == "json_schema":
-        if fmt.json_schema is None:
-            raise _refuse(
-                "response_format.json_schema",
-                "type json_schema needs json_schema with its schema",
-                "missing_required_parameter",
-            )
-        found.append(("response_format", StructuredOutput.json_schema(fmt.json_schema.json_schema)))
-    vllm = req.structured_outputs.model_dump(by_alias=True) if req.structured_outputs else {}
-    guided = {
-        "guided_json": ("json", req.guided_json),
-        "guided_regex": ("regex", req.guided_regex),
-        "guided_choice": ("choice", req.guided_choice),
-        "guided_grammar": ("grammar", req.guided_grammar),
-        **{f"structured_outputs.{key}": (key, value) for key, value in vllm.items()},
-    }
-    for name, (kind, value) in guided.items():
-        if value is None or value is False:
-            continue
-        try:
-            found.append((name.split(".", 1)[0], _constraint(kind, value)))
-        except (ValueError, TypeError) as exc:
-            raise _refuse(name, f"{name}: {exc}", "invalid_value") from None
-    if len(found) > 1:
-        names = ", ".join(sorted({n for n, _ in found}))
-        raise _refuse(
-            found[1][0], f"one structured-output constraint per request, got {names}", "invalid_value"
-        )
-    return found[0][1] if found else None
-
-
-def _constraint(kind: str, value: Any) -> StructuredOutput:
-    """A vLLM structured-output field's constraint (``kind``: json, regex, choice, grammar or
-    json_object). Raises ValueError: JSON text that is not an object, an empty choice."""
-    if kind == "json" and isinstance(value, str):
-        schema = json.loads(value)  # a JSONDecodeError is a ValueError
-        if not isinstance(schema, dict):
-            raise ValueError("the JSON schema must be an object")
-        return StructuredOutput.json_schema(schema)
-    return {
-        "json": StructuredOutput.json_schema,
-        "json_object": lambda _: StructuredOutput.json_object(),
-        "regex": StructuredOutput.regex,
-        "choice": StructuredOutput.choice,
-        "grammar": StructuredOutput.grammar,
-    }[kind](value)
-
-
-def check_prompt(ids: list[int], max_context: int) -> None:
-    """Refuse a prompt with no tokens or no room for one new token (400)."""
-    if not ids:
-        raise APIError(400, "the prompt has no tokens", "prompt", "empty_prompt")
-    if len(ids) >= max_context:
-        raise APIError(
-            400,
-            f"this model's maximum context length is {max_context} tokens; the prompt has {len(ids)} "
-            f"tokens, which leaves no room to generate",
-            "prompt",
-            "context_length_exceeded",
-        )
-
-
-def check_room(req: _GenerationRequest, n_prompt: int, max_tokens: int, max_context: int) -> None:
-    """Refuse a prompt plus ``max_tokens`` beyond the context length, as vLLM does (never clamped).
-
-    Raises:
-        APIError: 400 naming the budget field.
-    """
-    if n_prompt + max_tokens > max_context:
-        name = max_tokens_field(req)[0]
-        raise APIError(
-            400,
-            f"this model's maximum context length is {max_context} tokens; you requested "
-            f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} in the completion): "
-            f"reduce the prompt or {name}",
-            name,
-            "context_length_exceeded",
-        )
-
-
-def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    """Refuse ``stop_token_ids`` or ``logit_bias`` keys outside ``[0, vocab_size)`` (400 naming the field)."""
-    for name, ids in (
-        ("stop_token_ids", params.stop_token_ids),
-        ("logit_bias", [t for t, _ in params.logit_bias]),
-    ):
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise _refuse(name, f"token ids must be in [0, {vocab_size}), got {bad[:5]}", "invalid_value")
+        raise refuse(param, str(exc), "invalid_value") from None

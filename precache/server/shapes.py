@@ -1,5 +1,6 @@
 """The nested shapes of OpenAI request bodies: chat messages and their past tool calls, tools,
-``tool_choice``, ``response_format`` and vLLM's ``structured_outputs``, as pydantic models.
+``tool_choice``, ``response_format`` and vLLM's ``structured_outputs``, as pydantic models; and
+the one structured-output constraint a request's fields carry (:func:`structured_output`).
 
 They and the top-level requests (:mod:`precache.server.protocol`) are the one validation layer:
 a body that does not fit them anywhere is a 400 whose ``param`` is the path of the field at fault
@@ -11,10 +12,14 @@ constraint (``response_format``, ``structured_outputs``) refuse unknown keys.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+from precache.config import StructuredOutput
+from precache.server.errors import refuse
 
 #: a function name, as OpenAI allows it
 FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
@@ -152,3 +157,75 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+
+
+#: the request fields that carry a structured-output constraint
+STRUCTURED_FIELDS = (
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
+
+
+def structured_output(req: BaseModel) -> StructuredOutput | None:
+    """The request's one structured-output constraint: OpenAI's ``response_format`` (``json_object``,
+    ``json_schema``) or vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+    ``guided_grammar`` / ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``,
+    ``json_object``); None when it has none. The shapes are already checked (the request models).
+
+    Raises:
+        APIError: 400 naming the field: two constraints, or a value no constraint can be built from.
+    """
+    found: list[tuple[str, StructuredOutput]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("response_format", StructuredOutput.json_object()))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise refuse(
+                "response_format.json_schema",
+                "type json_schema needs json_schema with its schema",
+                "missing_required_parameter",
+            )
+        found.append(("response_format", StructuredOutput.json_schema(fmt.json_schema.json_schema)))
+    vllm = req.structured_outputs.model_dump(by_alias=True) if req.structured_outputs else {}
+    guided = {
+        "guided_json": ("json", req.guided_json),
+        "guided_regex": ("regex", req.guided_regex),
+        "guided_choice": ("choice", req.guided_choice),
+        "guided_grammar": ("grammar", req.guided_grammar),
+        **{f"structured_outputs.{key}": (key, value) for key, value in vllm.items()},
+    }
+    for name, (kind, value) in guided.items():
+        if value is None or value is False:
+            continue
+        try:
+            found.append((name.split(".", 1)[0], _constraint(kind, value)))
+        except (ValueError, TypeError) as exc:
+            raise refuse(name, f"{name}: {exc}", "invalid_value") from None
+    if len(found) > 1:
+        names = ", ".join(sorted({n for n, _ in found}))
+        raise refuse(
+            found[1][0], f"one structured-output constraint per request, got {names}", "invalid_value"
+        )
+    return found[0][1] if found else None
+
+
+def _constraint(kind: str, value: Any) -> StructuredOutput:
+    """A vLLM structured-output field's constraint (``kind``: json, regex, choice, grammar or
+    json_object). Raises ValueError: JSON text that is not an object, an empty choice."""
+    if kind == "json" and isinstance(value, str):
+        schema = json.loads(value)  # a JSONDecodeError is a ValueError
+        if not isinstance(schema, dict):
+            raise ValueError("the JSON schema must be an object")
+        return StructuredOutput.json_schema(schema)
+    return {
+        "json": StructuredOutput.json_schema,
+        "json_object": lambda _: StructuredOutput.json_object(),
+        "regex": StructuredOutput.regex,
+        "choice": StructuredOutput.choice,
+        "grammar": StructuredOutput.grammar,
+    }[kind](value)
