@@ -110,6 +110,18 @@ def test_the_benchmark_scripts_named_anywhere_exist():
     assert sorted(missing) == []
 
 
+def test_the_benchmarks_page_lists_every_script_and_only_those():
+    """docs/benchmarks.md's table of the scripts in ``benchmarks/`` names each one, by its path
+    under ``benchmarks/``, and names none that is not there."""
+    text = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    table = text.split("## The scripts in `benchmarks/`", 1)[1]
+    listed = set(re.findall(r"^\| `([\w/.-]+\.(?:py|sh))`", table, re.M))
+    listed |= set(re.findall(r"\(\+ `([\w/.-]+\.(?:py|sh))`\)", table))
+    scripts = {p.relative_to(REPO / "benchmarks").as_posix() for p in (REPO / "benchmarks").rglob("*.*")}
+    scripts = {s for s in scripts if s.endswith((".py", ".sh")) and not s.startswith("results/")}
+    assert listed == scripts
+
+
 def test_the_library_example_is_the_same_in_readme_and_docs():
     def first_python_block(path: Path, heading: str) -> str:
         section = path.read_text(encoding="utf-8").split(f"\n{heading}\n", 1)[1]
