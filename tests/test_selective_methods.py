@@ -28,8 +28,7 @@ AGENT_TURNS = [x for x in SCRIPT if x[0] != "append"]
 def engine_with(model, dirs, cls, **options):
     """An engine whose sharing method is ``cls(**options)`` (the registry builds defaults only)."""
     engine = make_engine(model, dirs, "fullshared", block_size=4)
-    engine.method = cls(model, engine.adapters, block_size=4, **options)
-    engine.pool = engine.method.pool
+    engine.method = cls(model, engine.adapters, engine.pool, **options)  # a pool without LR columns
     engine.scheduler = Scheduler(engine._forward, pool=engine.pool)
     return engine
 
@@ -366,13 +365,13 @@ def test_method_options_are_checked(tiny):
     model, dirs, _ = tiny
     adapters = make_engine(model, dirs, "fullshared").adapters
     with pytest.raises(ValueError, match="rho"):
-        CacheBlend(model, adapters, rho=0.0)
+        make_method("cacheblend", model, adapters, rho=0.0)
     with pytest.raises(ValueError, match="check_layer"):
-        CacheBlend(model, adapters, check_layer=2)  # 3 layers: nothing after it
+        make_method("cacheblend", model, adapters, check_layer=2)  # 3 layers: nothing after it
     with pytest.raises(ValueError, match="not within"):
-        DroidSpeak(model, adapters, layers=(1, 3))
+        make_method("droidspeak", model, adapters, layers=(1, 3))
     with pytest.raises(ValueError, match="rho"):
-        RelayCaching(model, adapters, rho=1.5)
+        make_method("relaycaching", model, adapters, rho=1.5)
 
 
 def test_droidspeak_profile_is_stored_with_the_adapters_and_checked(tiny, tmp_path):

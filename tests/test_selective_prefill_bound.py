@@ -32,8 +32,7 @@ ISSUE_ORDER = ("plan", "action", "plan", "reflect", "plan", "action")
 def engine_for(model, dirs, cls, block_size: int, **options):
     """An engine whose sharing method is ``cls(**options)`` over the given block size."""
     engine = make_engine(model, dirs, "fullshared", block_size=block_size)
-    engine.method = cls(model, engine.adapters, block_size=block_size, **options)
-    engine.pool = engine.method.pool
+    engine.method = cls(model, engine.adapters, engine.pool, **options)  # a pool without LR columns
     engine.scheduler = Scheduler(engine._forward, pool=engine.pool)
     return engine
 

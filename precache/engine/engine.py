@@ -25,7 +25,7 @@ from precache.engine.session import Session
 from precache.engine.swap_space import SwapSpace
 from precache.errors import AdapterBusyError, AdapterError, AdapterLimitError, UnknownAdapterError
 from precache.lora.adapter import LoRAAdapter, load_adapter
-from precache.methods import make_method
+from precache.methods import build_pool, make_method
 from precache.models import load_model
 
 logger = logging.getLogger(__name__)
@@ -77,18 +77,19 @@ class Engine:
                 raise AdapterError(f"adapter names must be non-empty strings, got {name!r}")
             self.adapters[name] = self._load_adapter(name, src).to(self.model.dtype, self.model.device)
         spare, self.max_lora_rank = spare_lr_slots(config, [a.rank for a in self.adapters.values()])
-        self.method = make_method(
+        self.pool = build_pool(
             config.method,
             self.model,
             self.adapters,
             kv_cache_bytes=config.kv_cache_bytes,
             block_size=config.block_size,
-            prefix_caching=config.prefix_caching,
             spare_lr_slots=spare,
             spare_lr_rank=self.max_lora_rank,
             kv_cache_dtype=config.pool_dtype(self.model),
         )
-        self.pool = self.method.pool
+        self.method = make_method(
+            config.method, self.model, self.adapters, self.pool, prefix_caching=config.prefix_caching
+        )
         self.attention = get_backend(config.attention_backend or default_backend(self.model.device))
         self.eos_token_ids = self._eos_ids()
         self.swap_space = SwapSpace(self.pool, config.host_swap_bytes())

@@ -8,7 +8,8 @@ from __future__ import annotations
 from precache.cache.pool import LRView
 from precache.cache.rowplan import BaseWrite, LRWrite, RowPlan, View
 from precache.errors import CacheIntegrityError
-from precache.methods.base import CacheState, SplitKVMethod
+from precache.methods.split import SplitKVMethod
+from precache.methods.state import CacheState
 
 
 class BaseShared(SplitKVMethod):

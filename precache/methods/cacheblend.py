@@ -35,14 +35,16 @@ class CacheBlend(SelectiveRecompute):
 
     name = "cacheblend"
 
-    def __init__(self, model, adapters, rho: float = DEFAULT_RHO, check_layer: int | None = None, **pool):
+    def __init__(
+        self, model, adapters, pool, rho: float = DEFAULT_RHO, check_layer: int | None = None, **options
+    ):
         self.rho = check_fraction(rho)
         last = model.config.num_layers - 1
         check_layer = min(1, last - 1) if check_layer is None else check_layer
         if isinstance(check_layer, bool) or not isinstance(check_layer, int) or not 0 <= check_layer < last:
             raise ValueError(f"check_layer must be an integer in 0..{last - 1}, got {check_layer!r}")
         self.check_layer = check_layer
-        super().__init__(model, adapters, **pool)
+        super().__init__(model, adapters, pool, **options)
 
     def recompute(self, state, agent, n):
         kept, adapter, shared = kept_tokens(self.rho, n), self.adapter(agent), state.full["shared"]

@@ -49,8 +49,8 @@ class DroidSpeak(SelectiveRecompute):
 
     name = "droidspeak"
 
-    def __init__(self, model, adapters, layers: tuple[int, int] | None = None, **pool):
-        super().__init__(model, adapters, **pool)
+    def __init__(self, model, adapters, pool, layers: tuple[int, int] | None = None, **options):
+        super().__init__(model, adapters, pool, **options)
         num_layers = model.config.num_layers
         self.layers_given = layers is not None
         if layers is None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from precache.cache.rowplan import FullWrite, RowPlan, View
 from precache.cache.views import materialise_view
-from precache.methods.base import CacheState, SharingMethod
+from precache.methods.base import SharingMethod
+from precache.methods.state import CacheState
 
 
 class FullShared(SharingMethod):

@@ -6,7 +6,8 @@ Every later turn prefills only new tokens; memory is one base plus N rank-r LR c
 from __future__ import annotations
 
 from precache.cache.rowplan import BaseWrite, LRWrite, RowPlan, View
-from precache.methods.base import CacheState, SplitKVMethod, author_runs
+from precache.methods.split import SplitKVMethod
+from precache.methods.state import CacheState, author_runs
 
 
 class PreLRShared(SplitKVMethod):

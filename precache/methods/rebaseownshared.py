@@ -28,8 +28,8 @@ from precache.cache.pool import PagedStore
 from precache.cache.rowplan import View
 from precache.cache.views import materialise_view
 from precache.errors import CacheIntegrityError
-from precache.methods.base import CacheState
 from precache.methods.rebaseshared import ReBaseShared
+from precache.methods.state import CacheState
 
 
 def own_key(agent: str, start: int) -> str:

@@ -11,7 +11,8 @@ lazy prefill, outside the next agent's TTFT) or as a second row of every forward
 from __future__ import annotations
 
 from precache.cache.rowplan import BaseWrite, FullWrite, LRWrite, RowPlan, View
-from precache.methods.base import CacheState, SplitKVMethod
+from precache.methods.split import SplitKVMethod
+from precache.methods.state import CacheState
 
 SCHEDULES = ("lp", "db")
 
@@ -26,12 +27,12 @@ class ReBaseShared(SplitKVMethod):
 
     family = "rebaseshared"
 
-    def __init__(self, model, adapters, schedule: str = "lp", **pool_options):
+    def __init__(self, model, adapters, pool, schedule: str = "lp", **options):
         if schedule not in SCHEDULES:
             raise ValueError(f"{type(self).__name__} schedule must be one of {SCHEDULES}, got {schedule!r}")
         self.schedule = schedule
         self.name = f"{self.family}-{schedule}"
-        super().__init__(model, adapters, **pool_options)
+        super().__init__(model, adapters, pool, **options)
 
     def cached_length(self, state: CacheState) -> int:
         return state.base.length if state.turn is None else state.turn_start

@@ -47,14 +47,20 @@ class RelayCaching(SelectiveRecompute):
     name = "relaycaching"
 
     def __init__(
-        self, model, adapters, rho: float = DEFAULT_RHO, layers: tuple[int, int] | None = None, **pool
+        self,
+        model,
+        adapters,
+        pool,
+        rho: float = DEFAULT_RHO,
+        layers: tuple[int, int] | None = None,
+        **options,
     ):
         self.rho = check_fraction(rho)
         num_layers = model.config.num_layers
         if layers is None:
             layers = (min(1, num_layers - 1), max(min(1, num_layers - 1), math.ceil(num_layers / 2) - 1))
         self.layers = check_layer_range(layers, num_layers)
-        super().__init__(model, adapters, **pool)
+        super().__init__(model, adapters, pool, **options)
 
     def recompute(self, state, agent, n):
         first, last = self.layers

@@ -43,8 +43,8 @@ from precache.cache.pool import PagedStore
 from precache.cache.prefix import PrefixChain, attach
 from precache.cache.rowplan import FullWrite, Recompute, RowPlan, View
 from precache.cache.views import materialise_view
-from precache.methods.base import CacheState
 from precache.methods.fullshared import FullShared
+from precache.methods.state import CacheState
 from precache.models.contract import LayerInput
 
 
