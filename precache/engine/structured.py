@@ -5,7 +5,7 @@ The grammar engine is llguidance (guidance-ai): DESIGN.md, "Structured output", 
 wheels with no GPU dependency, token masks computed in Rust in tens of microseconds from an Earley
 parser over a lexer, the widest JSON-schema coverage of the three candidates, and vLLM, SGLang and
 llama.cpp ship it). Each request gets its own matcher; the mask is applied to that request's row of
-logits in :meth:`~precache.engine.request.Request.sample`, so constrained and unconstrained
+logits in :meth:`~precache.engine.decoding.Decoder.step`, so constrained and unconstrained
 requests share every forward.
 """
 
