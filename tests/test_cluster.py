@@ -193,7 +193,8 @@ def test_serve_replicas_takes_the_security_flags_to_the_ingress(tiny, tmp_path, 
 def cluster(tiny):
     pytest.importorskip("ray.serve")
     import precache
-    from precache.cluster.app import ClusterConfig, ClusterServer, build_app
+    from precache.cluster.app import ClusterServer, build_app
+    from precache.cluster.config import ClusterConfig
     from precache.server import ServerConfig
 
     model, dirs, _ = tiny

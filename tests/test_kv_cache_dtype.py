@@ -78,7 +78,7 @@ def test_a_replica_spec_honours_the_cache_dtype_and_swap_space(tiny, monkeypatch
     """``serve --replicas`` builds each replica's engine from an ``EngineSpec``: the options it
     carries reach the engine (the load itself replaced by the tiny model)."""
     import precache
-    from precache.cluster.app import EngineSpec
+    from precache.cluster.config import EngineSpec
 
     model, dirs, _ = tiny
     seen = {}

@@ -94,7 +94,7 @@ def test_serve_adapters_names_a_committed_set():
     """serve --adapters qv serves the committed set's three agents; --lora-modules may add more but
     not one of its names again."""
     from precache.resources import adapter_set
-    from precache.server.cli import adapters_from_args
+    from precache.server.args import adapters_from_args
 
     args = build_parser().parse_args(["serve", "--adapters", "qv"])
     assert adapters_from_args(args) == {name: str(path) for name, path in adapter_set("qv").items()}

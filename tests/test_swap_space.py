@@ -139,7 +139,7 @@ def test_metrics_count_drops_and_rebuilt_tokens():
 
 def test_serve_takes_swap_space_in_gib_and_refuses_a_bad_one_by_name(capsys):
     from precache.cli import main
-    from precache.server.cli import swap_space_gib
+    from precache.server.args import swap_space_gib
 
     assert swap_space_gib("0.5") == 2**29 and swap_space_gib("0") == 0
     for bad in ("-1", "lots", "inf"):

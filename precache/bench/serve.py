@@ -24,7 +24,7 @@ from precache.cluster import ClusterArgumentError
 from precache.errors import TraceError
 from precache.methods import METHOD_REGISTRY
 from precache.resources import adapter_set, trace_path
-from precache.server.cli import (
+from precache.server.args import (
     adapters_from_args,
     add_engine_arguments,
     load_model_from_args,

@@ -42,7 +42,8 @@ def run_cluster_bench(
     require_ray()
     import ray  # the optional extra, checked just above
 
-    from precache.cluster.app import ClusterConfig, free_port, local_cpus
+    from precache.cluster.app import free_port, local_cpus
+    from precache.cluster.config import ClusterConfig
 
     started = not ray.is_initialized()
     if started:
@@ -72,7 +73,8 @@ def run_cluster_bench(
 def _run_level(model, adapters, method, cluster, trace, sessions, qps, model_name, seed, port) -> dict:
     """One (method, router) at one request rate on a fresh cluster: the summary of the replay."""
     from precache.bench.loadgen import replay, summarize  # the openai client (a test extra)
-    from precache.cluster.app import ClusterServer, EngineSpec, build_app  # ray
+    from precache.cluster.app import ClusterServer, build_app  # ray
+    from precache.cluster.config import EngineSpec
 
     spec = EngineSpec(str(model.path), adapters, method)
     app = build_app(

@@ -86,7 +86,8 @@ def cluster(
     from precache.cluster import require_ray
 
     require_ray()
-    from precache.cluster.app import ClusterConfig, ClusterServer, EngineSpec, checkpoint_app, local_cpus
+    from precache.cluster.app import ClusterServer, checkpoint_app, local_cpus
+    from precache.cluster.config import ClusterConfig, EngineSpec
     from precache.models.loader import resolve_checkpoint
 
     folder = resolve_checkpoint(model_arg)

@@ -4,9 +4,10 @@ trajectory, whichever agent takes it, on the replica that holds its caches.
 
 Modules: ``routing`` (block hashes and the placement rule, plain Python), ``router`` (the Ray
 ``RequestRouter``), ``replica`` (the replica deployment over ``create_app``), ``ingress`` (the
-HTTP ingress that tokenizes for routing and relays), ``app`` (configuration, the Serve
-application, ``precache serve --replicas``). Ray is an optional extra: this package imports it
-only in those modules, and :func:`require_ray` says how to install it.
+HTTP ingress that tokenizes for routing and relays), ``config`` (``ClusterConfig`` and the
+replicas' ``EngineSpec``, plain data), ``app`` (the Serve application and ``ClusterServer``),
+``cli`` (``precache serve --replicas``). Ray is an optional extra: this package imports it only in
+the modules that need it, and :func:`require_ray` says how to install it.
 """
 
 from __future__ import annotations
