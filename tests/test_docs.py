@@ -110,6 +110,29 @@ def test_the_benchmark_scripts_named_anywhere_exist():
     assert sorted(missing) == []
 
 
+def _expand(path: str) -> list[str]:
+    """``a{b,c}d`` as ``abd``, ``acd`` (the shell's brace expansion, nested braces left out)."""
+    m = re.search(r"\{([^{}]*)\}", path)
+    if not m:
+        return [path]
+    return [x for alt in m.group(1).split(",") for x in _expand(path[: m.start()] + alt + path[m.end() :])]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_result_file_named_in_prose_exists(page):
+    """A result file the text cites (``benchmarks/results/...``, or ``results/...`` from
+    RESULTS.md) exists; paths inside code blocks are a command's outputs and are not checked."""
+    prose = _prose(page.read_text(encoding="utf-8"))
+    missing = []
+    for span in INLINE_CODE.findall(prose):
+        for name in re.findall(r"(?<![\w/])(?:benchmarks/)?results/[\w./{},*-]+", span.replace("\n", " ")):
+            for path in _expand(name.rstrip(".,")):
+                full = path if path.startswith("benchmarks/") else f"benchmarks/{path}"
+                if not (list(REPO.glob(full)) if "*" in full else (REPO / full).exists()):
+                    missing.append(full)
+    assert missing == []
+
+
 def test_the_benchmarks_page_lists_every_script_and_only_those():
     """docs/benchmarks.md's table of the scripts in ``benchmarks/`` names each one, by its path
     under ``benchmarks/``, and names none that is not there."""
