@@ -1,7 +1,8 @@
 """The documents a user reads: the mkdocs site over ``docs/`` builds with ``--strict``; every
 relative link of README.md, ``docs/*.md`` and ``benchmarks/RESULTS.md`` reaches a file (and, with
-``#anchor``, a heading of it); every ``benchmarks/`` script named anywhere exists; every ``--flag``
-written after ``precache <command>`` is an option of that command's parser, built in-process from
+``#anchor``, a heading of it); every result file their prose cites exists; every ``benchmarks/``
+script named anywhere exists, and docs/benchmarks.md lists each one; every ``--flag`` written after
+``precache <command>`` is an option of that command's parser, built in-process from
 :func:`precache.cli.build_parser`; and ``docs/cli.md`` documents every command and option.
 """
 
@@ -35,7 +36,7 @@ SCRIPT = re.compile(r"benchmarks/[\w/.-]+\.(?:py|sh)\b")
 
 
 def _prose(text: str) -> str:
-    """``text`` without its fenced code blocks (each kept as one empty line)."""
+    """``text`` without its fenced code blocks."""
     return FENCE.sub("", text)
 
 
