@@ -26,13 +26,7 @@ from precache.agents.scienceqa import (
     parse_record,
     scienceqa_dir,
 )
-from precache.agents.scienceqa_tools import (
-    INSTRUCTION,
-    NO_IMAGE_TEXT,
-    ScienceQAEnv,
-    gold_trajectories,
-    gold_trajectory,
-)
+from precache.agents.scienceqa_tools import INSTRUCTION, NO_IMAGE_TEXT, ScienceQAEnv, gold_trajectory
 from precache.cli import main
 from precache.errors import AdapterError
 from tests.test_agents_loop import FakeSession
@@ -191,6 +185,7 @@ def test_gold_trajectories_replay_through_the_loop(questions, negative):
 
 def test_gold_trajectories_are_seeded_and_cover_both_verdicts():
     train = load_questions("train")
+    gold_trajectories = SCIENCEQA.gold_trajectories
     a, b = gold_trajectories(train, seed=3), gold_trajectories(train, seed=3)
     assert a == b and a != gold_trajectories(train, seed=4)
     wrong = sum(any(p.role == "reflect" and p.text == "Reflect[wrong]" for p in t) for t in a)

@@ -7,6 +7,7 @@ shared. ``get_benchmark("hotpotqa")`` is the default everywhere.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,7 +103,7 @@ SCIENCEQA = Benchmark(
     environment=scienceqa_tools.ScienceQAEnv,
     score=_scienceqa_score,
     answer_key=_scienceqa_key,
-    gold_trajectories=scienceqa_tools.gold_trajectories,
+    gold_trajectories=functools.partial(gold.gold_trajectories, trajectory=scienceqa_tools.gold_trajectory),
     metrics=("accuracy",),
     adapter_root=ADAPTER_ROOT.parent / f"{ADAPTER_ROOT.name}-scienceqa",
 )

@@ -74,15 +74,25 @@ def data_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parents[1] / "assets"
 
 
-def hotpotqa_dir() -> Path:
-    """``<data>/hotpotqa``. Raises DatasetError if it has no question files."""
-    folder = data_dir() / "hotpotqa"
-    if not all((folder / f"{level}.jsonl").is_file() for level in LEVELS):
+def dataset_dir(name: str, label: str, files: list[str]) -> Path:
+    """``<data>/<name>`` (:func:`data_dir`), the folder of the dataset called ``label`` in messages.
+
+    Raises:
+        DatasetError: one of ``files`` is not there; the message names them all and
+            ``PRECACHE_DATA``.
+    """
+    folder = data_dir() / name
+    if not all((folder / f).is_file() for f in files):
         raise DatasetError(
-            f"HotpotQA files {', '.join(f'{lv}.jsonl' for lv in LEVELS)} not found under {folder} "
-            "(set PRECACHE_DATA to the folder that holds hotpotqa/)"
+            f"{label} files {', '.join(files)} not found under {folder} "
+            f"(set PRECACHE_DATA to the folder that holds {name}/)"
         )
     return folder
+
+
+def hotpotqa_dir() -> Path:
+    """``<data>/hotpotqa``. Raises DatasetError if it has no question files."""
+    return dataset_dir("hotpotqa", "HotpotQA", [f"{level}.jsonl" for level in LEVELS])
 
 
 @lru_cache(maxsize=4)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from precache.agents.data import SPLITS, DatasetError, data_dir, select_split, stratified_split
+from precache.agents.data import SPLITS, DatasetError, dataset_dir, select_split, stratified_split
 from precache.agents.scoring import normalize_answer
 
 #: the grade bands, one file each, in load order
@@ -143,13 +143,7 @@ def parse_record(row, where: str, band: str) -> ScienceQuestion:
 
 def scienceqa_dir() -> Path:
     """``<data>/scienceqa``. Raises DatasetError if it lacks one of the two question files."""
-    folder = data_dir() / "scienceqa"
-    if not all((folder / f"{band}.json").is_file() for band in BANDS):
-        raise DatasetError(
-            f"ScienceQA files {', '.join(f'{b}.json' for b in BANDS)} not found under {folder} "
-            "(set PRECACHE_DATA to the folder that holds scienceqa/)"
-        )
-    return folder
+    return dataset_dir("scienceqa", "ScienceQA", [f"{band}.json" for band in BANDS])
 
 
 def load_file(path: Path, band: str) -> list[ScienceQuestion]:

@@ -1,4 +1,4 @@
-"""Offline ScienceQA tools (``Image``, ``Lookup``, ``Finish``), the header and gold trajectories.
+"""Offline ScienceQA tools (``Image``, ``Lookup``, ``Finish``), the header and the gold trajectory.
 
 AutoAct's ScienceQA agents had an image-to-text tool, a web search and a background retriever.
 Offline, ``Image[...]`` shows the question's caption and OCR text (the AutoAct data's own image
@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 
 from precache.agents import prompt
+from precache.agents.gold import gold_ending
 from precache.agents.scienceqa import ScienceQuestion, parse_option
 from precache.agents.tools import StepResult, parse_action
 
@@ -29,7 +30,6 @@ NO_OCR_TEXT = "No text in the image."
 
 _FIRST_THOUGHTS = ("I should look at the image first.", "Let me check the image.")
 _FINISH_THOUGHTS = ("The answer is {text}.", "The correct option is {text}.")
-_RETRY_THOUGHT = "My answer was judged wrong. Let me answer again."
 
 
 def header(question: ScienceQuestion) -> str:
@@ -96,15 +96,6 @@ def wrong_option(question: ScienceQuestion, rng: random.Random) -> str:
     return rng.choice([letter for letter in question.letters if letter != question.answer])
 
 
-def _finish(question: ScienceQuestion, letter: str, thought: str, verdict: str) -> list[prompt.Piece]:
-    return [
-        prompt.Piece("plan", prompt.plan_text(thought, "Finish")),
-        prompt.Piece("action", prompt.action_text(letter)),
-        prompt.Piece("env", prompt.FINISH_SEPARATOR),
-        prompt.Piece("reflect", prompt.reflect_text(verdict)),
-    ]
-
-
 def gold_trajectory(
     question: ScienceQuestion, rng: random.Random, negative: bool = False
 ) -> list[prompt.Piece]:
@@ -118,21 +109,7 @@ def gold_trajectory(
         prompt.Piece("action", prompt.action_text("image")),
         prompt.Piece("env", prompt.observation_text(observation)),
     ]
-    if negative:
-        wrong = wrong_option(question, rng)
-        text = question.choices[question.letters.index(wrong)]
-        pieces += _finish(question, wrong, rng.choice(_FINISH_THOUGHTS).format(text=text), "wrong")
-        pieces.append(prompt.Piece("env", prompt.RETRY_SEPARATOR))
-        pieces += _finish(question, question.answer, _RETRY_THOUGHT, "right")
-    else:
-        right = rng.choice(_FINISH_THOUGHTS).format(text=question.answer_text)
-        pieces += _finish(question, question.answer, right, "right")
-    return pieces
-
-
-def gold_trajectories(
-    questions: list[ScienceQuestion], seed: int = 0, negative_fraction: float = 0.4
-) -> list[list[prompt.Piece]]:
-    """One trajectory per question; about ``negative_fraction`` of them negative (seeded)."""
-    rng = random.Random(seed)
-    return [gold_trajectory(q, rng, negative=rng.random() < negative_fraction) for q in questions]
+    wrong = wrong_option(question, rng) if negative else None
+    text = question.answer_text if wrong is None else question.choices[question.letters.index(wrong)]
+    thought = rng.choice(_FINISH_THOUGHTS).format(text=text)
+    return pieces + gold_ending(question.answer, thought, wrong)
