@@ -232,11 +232,10 @@ def test_own_and_other_segment_errors(tiny, results):
             s.append(list(t.appended))
             forced_turn(s, t.agent, t.token_ids)
     own = torch.tensor([True] * (14 + 4) + [False] * (end - 18))  # plan wrote turn 0's 18 tokens
-    from precache.bench.fidelity import agent_kv, layer_errors
+    from precache.bench.fidelity import agent_kv, split_layer_errors
 
-    whole, _ = layer_errors(ref, other, "plan", end)
-    mine, _ = layer_errors(ref, other, "plan", end, own)
-    theirs, _ = layer_errors(ref, other, "plan", end, ~own)
+    errors = split_layer_errors(ref, other, "plan", end, {"whole": None, "own": own, "other": ~own})
+    (whole, _), (mine, _), (theirs, _) = errors["whole"], errors["own"], errors["other"]
     for layer in range(model.config.num_layers):
         k_ref = agent_kv(ref, "plan", layer, end)[0].double()
         n_own, n_other = k_ref[own].norm() ** 2, k_ref[~own].norm() ** 2

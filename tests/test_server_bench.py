@@ -61,7 +61,9 @@ def test_bench_serve_command_writes_json_and_plot(tiny, tmp_path):
     _, hf = tiny_model("llama", seed=0, num_layers=3)  # the weights the tiny adapters were made for
     hf.save_pretrained(tmp_path / "model")
     char_tokenizer().save_pretrained(tmp_path / "model")
-    (tmp_path / "trace.csv").write_text(TRACE.to_csv())
+    (tmp_path / "trace.csv").write_text(
+        "agent,prefill_len,decode_len\nplan,12,3\naction,4,2\nreflect,4,2\n"
+    )  # TRACE
     parser = argparse.ArgumentParser()
     add_bench_serve(parser.add_subparsers(dest="bench_command"))
     args = parser.parse_args(

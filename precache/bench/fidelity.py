@@ -57,20 +57,13 @@ def _relative(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.double() - ref.double()).norm() / norm) if norm > 0 else 0.0
 
 
-def layer_errors(
-    reference, session, agent: str, end: int, positions: torch.Tensor | None = None
-) -> tuple[list[float], list[float]]:
-    """Per-layer relative Frobenius error of ``session``'s K and V view against ``reference``'s
-    (NonShared) own cache of ``agent`` over ``[0, end)`` (only the ``positions`` among them when
-    given: a bool mask ``[end]``): two lists of ``num_layers`` floats."""
-    return split_layer_errors(reference, session, agent, end, {"": positions})[""]
-
-
 def split_layer_errors(
     reference, session, agent: str, end: int, parts: dict[str, torch.Tensor | None]
 ) -> dict[str, tuple[list[float], list[float]]]:
-    """:func:`layer_errors` for several position masks (None: every position) at once, each
-    layer's views materialised once: ``{name: (k errors, v errors)}``."""
+    """Per-layer relative Frobenius error of ``session``'s K and V view against ``reference``'s
+    (NonShared) own cache of ``agent`` over ``[0, end)``, for each of several position masks
+    (``parts``: name -> a bool mask ``[end]``, or None for every position), each layer's views
+    materialised once: ``{name: (k errors, v errors)}``, each list ``num_layers`` floats."""
     out: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in parts}
     for layer in range(reference.engine.model.config.num_layers):
         k_ref, v_ref = agent_kv(reference, agent, layer, end)

@@ -61,10 +61,6 @@ class Trace:
         )
         return Trace(f"{self.name}-head", turns)
 
-    def to_csv(self) -> str:
-        lines = [",".join(COLUMNS)] + [f"{t.agent},{t.prefill_len},{t.decode_len}" for t in self.turns]
-        return "\n".join(lines) + "\n"
-
 
 def paper_trace(long_len: int) -> Trace:
     """The 17-turn paper trace with a planner read of ``long_len`` tokens per cycle.
