@@ -41,7 +41,14 @@ class Oracle:
 
     def __init__(self, monkeypatch):
         self.steps, self.logits_err, self.pool_err, self.batch_sizes = 0, 0.0, 0.0, set()
-        captured = plan_module._captured_step
+        self.layouts: list[tuple[int, bool]] = []  # (rows, window) of every captured step
+        captured, prepare = plan_module._captured_step, plan_module.decode_step_inputs
+
+        def recorded(model, plans, pool):
+            prepared = prepare(model, plans, pool)
+            if prepared is not None:
+                self.layouts.append((len(plans), prepared[0].window))
+            return prepared
 
         def checked(model, batch):
             pool = next((w.paged.pool for p in batch for w in p.writes), None)
@@ -68,6 +75,7 @@ class Oracle:
             return got
 
         monkeypatch.setattr(plan_module, "_captured_step", checked)
+        monkeypatch.setattr(plan_module, "decode_step_inputs", recorded)
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +97,36 @@ def test_every_method_decodes_through_the_graph_as_the_eager_forward(tiny, graph
     assert oracle.logits_err <= FP32_LOGITS
     assert oracle.pool_err <= 1e-4
     assert [t.token_ids for t in turns] == [t.token_ids for t in ref_turns]
+
+
+@pytest.mark.parametrize("method", ["nonshared", "prelrshared"])
+def test_one_run_of_keys_is_read_in_place_and_a_scattered_row_gathered(
+    tiny, graph_model, monkeypatch, method
+):
+    """A lone row whose other keys are one run of pool rows reads the pool's views in place (the
+    window layout); a second trajectory that shares the first one's prompt prefix (cached blocks)
+    and continues in blocks of its own reads its keys from two runs, gathered: both as the eager
+    forward."""
+    eager, dirs, _ = tiny
+    gen = torch.Generator().manual_seed(11)
+    prefix = torch.randint(3, 90, (48,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(3, 90, (5,), generator=gen).tolist() for _ in range(2)]
+
+    def turns(engine):
+        out = []
+        for prompt in prompts:
+            session = engine.session()
+            session.append(prompt)
+            out.append(session.generate(agent=AGENTS[0], max_new_tokens=12, temperature=0.0).token_ids)
+        return out
+
+    oracle = Oracle(monkeypatch)
+    got = turns(make_engine(graph_model, dirs, method))
+    monkeypatch.undo()
+    assert got == turns(make_engine(eager, dirs, method))
+    lone = [window for rows, window in oracle.layouts if rows == 1]
+    assert True in lone and False in lone  # both layouts ran
+    assert oracle.logits_err <= FP32_LOGITS and oracle.pool_err <= 1e-4
 
 
 def _batched(engine, prompts, lengths):

@@ -113,8 +113,8 @@ def _captured_step(model, batch: list[RowPlan]) -> torch.Tensor | None:
     prepared = decode_step_inputs(model, batch, pool) if pool is not None else None
     if prepared is None:
         return None
-    inputs, writes = prepared
-    out = graph(inputs, pool.k, pool.v, pool.lr)
+    inputs, writes, reads = prepared
+    out = graph(inputs, *reads)
     write_step(pool, out, writes)
     return out.logits
 

@@ -81,9 +81,13 @@ class KVPool:
                 f"kv_cache_bytes={kv_cache_bytes} holds no block (one block is {self.block_bytes} bytes)"
             )
         n = num_blocks * block_size
-        self.k = torch.empty(num_layers, n, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
-        self.lr = torch.empty(num_layers, n, self.lr_width, dtype=dtype, device=device)
+        # on a CPU each tensor sits one unused layer into its storage (never touched, so never
+        # resident): views of it then never start at offset 0 or 1, which the compiled decode step
+        # would otherwise compile another graph for (precache.models.step_attention's window)
+        pad = 1 if torch.device(device).type == "cpu" else 0
+        self.k = torch.empty(pad + num_layers, n, num_kv_heads, head_dim, dtype=dtype, device=device)[pad:]
+        self.v = torch.empty(pad + num_layers, n, num_kv_heads, head_dim, dtype=dtype, device=device)[pad:]
+        self.lr = torch.empty(pad + num_layers, n, self.lr_width, dtype=dtype, device=device)[pad:]
         self.allocator = BlockAllocator(num_blocks)
         self._lr_widths = {a: rk + rv for a, (rk, rv) in lr_ranks.items()}
         #: the agents' LR down-projections side by side, per layer and adapter set

@@ -112,10 +112,12 @@ def _row_of(store, pos: int) -> int:
 
 def decode_step_inputs(
     model, plans: list[RowPlan], pool: KVPool
-) -> tuple[DecodeStepInputs, StepWrites] | None:
-    """The captured step's inputs and the step's pool writes for ``plans`` (one token each, in
-    batch order, their written blocks already reserved), or None when the graph does not run them
-    (module docstring)."""
+) -> tuple[DecodeStepInputs, StepWrites, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+    """The captured step's inputs, the step's pool writes and the pool tensors the step reads
+    (``pool.k``, ``pool.v``, ``pool.lr``, or their views over one run of rows when the inputs are
+    a window, :class:`DecodeStepInputs`) for ``plans`` (one token each, in batch order, their
+    written blocks already reserved), or None when the graph does not run them (module
+    docstring)."""
     c = model.config
     if not plans or any(len(p.token_ids) != 1 or p.recompute is not None for p in plans):
         return None
@@ -193,8 +195,32 @@ def decode_step_inputs(
     return _tensors(model, pool, rows, stacks, writers, base_w, full_w, lr_w)
 
 
+def _window(slot_t: torch.Tensor, col: int) -> tuple[int, torch.Tensor] | None:
+    """``(lo, order)`` when a row's keys other than key ``col`` (its own) are the pool rows
+    ``lo .. lo + n - 2``, each once, with ``order`` ``[n]`` the keys in run order and the own key
+    last; None otherwise (or when the run is shorter than two rows: a dynamic dimension is never
+    1)."""
+    n = slot_t.shape[0]
+    keys = torch.cat([torch.arange(col), torch.arange(col + 1, n)])
+    others = slot_t[keys]
+    if others.numel() < 2:
+        return None
+    lo = int(others.min())
+    if int(others.max()) - lo != n - 2 or int(torch.bincount(others - lo).max()) != 1:
+        return None
+    order = torch.empty(n, dtype=torch.long)
+    order[others - lo] = keys
+    order[n - 1] = col
+    return lo, order
+
+
 def _tensors(model, pool, rows, stacks: _Stacks, writers, base_w, full_w, lr_w):
     B = len(rows)
+    window = _window(rows[0][1], rows[0][4]) if B == 1 and pool.device.type == "cpu" else None
+    if window is not None:  # the keys in run order, the own key last (DecodeStepInputs.window)
+        lo, order = window
+        plan, slot_t, pos_t, lr_t, _, own_full, lr_read = rows[0]
+        rows = [(plan, slot_t[order], pos_t[order], lr_t[order], len(order) - 1, own_full, lr_read)]
     L = max(2, *(r[1].shape[0] for r in rows))  # a dynamic dimension is never 1
     R = stacks.rank
     reads_lr = any(r[6] is not None for r in rows)
@@ -260,9 +286,13 @@ def _tensors(model, pool, rows, stacks: _Stacks, writers, base_w, full_w, lr_w):
         lr_adapter.to(device),
         stacks.tensors,
         lr_down,
+        window is not None,
     )
     writes = StepWrites(*pairs(base_w), *pairs(full_w), tuple(lr_passes))
-    return inputs, writes
+    if window is None:
+        return inputs, writes, (pool.k, pool.v, pool.lr)
+    run = slice(window[0], window[0] + L - 1)
+    return inputs, writes, (pool.k[:, run], pool.v[:, run], pool.lr[:, run])
 
 
 def write_step(pool: KVPool, out: DecodeStepOutputs, writes: StepWrites) -> None:

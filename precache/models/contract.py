@@ -136,6 +136,11 @@ class DecodeStepInputs:
     n_layers, d_in, rank], s B [n_adapters + 1, n_layers, rank, d_out])`` (index 0 and layers
     without the projection: zeros); ``lr_down`` ``[n_layers, hidden, C]``: every agent's ``A^k``/``A^v``
     in the pool's LR column order (None when the step writes and reads no LR cache).
+
+    ``window``: one row (``B == 1``) whose keys other than its own are one contiguous run of
+    ``L - 1`` pool rows, which the step receives as views ``[n_layers, L - 1, ...]`` of the pools
+    and reads in place; key ``j < L - 1`` is the run's row ``j`` and key ``L - 1`` the row's own
+    (:mod:`precache.models.step_attention`). ``slots`` still names every key's pool row.
     """
 
     token_ids: torch.Tensor
@@ -151,6 +156,7 @@ class DecodeStepInputs:
     lr_adapter: torch.Tensor
     stacks: dict[str, tuple[torch.Tensor, torch.Tensor]]
     lr_down: torch.Tensor | None
+    window: bool = False
 
 
 @dataclass

@@ -46,6 +46,7 @@ from precache.models.contract import DecodeStepInputs, DecodeStepOutputs
 from precache.models.layers import rms_norm, split_product
 from precache.models.quant import Int4Weight, Int8Weight
 from precache.models.rope import RotaryEmbedding
+from precache.models.step_attention import as_stored, attend
 from precache.terminal import progress
 
 logger = logging.getLogger(__name__)
@@ -152,12 +153,6 @@ def _lora(x: torch.Tensor, stack, layer: int, index: torch.Tensor) -> torch.Tens
     return torch.bmm(torch.bmm(x.unsqueeze(1), a[index, layer]), b[index, layer]).squeeze(1)
 
 
-def _stored(t: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
-    """``t`` as ``pool`` will hold it once written, back in ``t``'s dtype (a no-op when the pool
-    has the model's dtype): the eager forward writes a token's entries first and then reads them."""
-    return t if pool.dtype == t.dtype else t.to(pool.dtype).to(t.dtype)
-
-
 def _plus(y: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
     return y if delta is None else y + delta
 
@@ -183,11 +178,7 @@ class _Step(torch.nn.Module):
         x = w.embed[inp.token_ids]  # [B, hidden]
         cos, sin = self.cos[inp.positions], self.sin[inp.positions]  # [B, D]
         key_cos, key_sin = self.cos[inp.key_positions], self.sin[inp.key_positions]  # [B, L, D]
-        is_self = inp.is_self[:, :, None, None]
         self_full = inp.self_full[:, None, None]
-        lr_on = inp.lr_on[:, :, None]  # [B, L, 1] bool
-        reads_lr = inp.lr_cols.shape[1] > 0
-        rank_k = inp.lr_cols.shape[1] // 2
         scale = 1.0 / math.sqrt(D)
         out_kb, out_vb, out_kf, out_vf, out_lr = [], [], [], [], []
         for i in range(c.num_layers):
@@ -211,42 +202,20 @@ class _Step(torch.nn.Module):
                 RotaryEmbedding.apply(k_full, cos, sin),
             )
             out_kb.append(k), out_vb.append(v), out_kf.append(k_full), out_vf.append(v_full)
-            # the row's view: pool rows, its own new entry in place of the unwritten slot, rounded
-            # as the pool will hold it (a kv_cache_dtype other than the model's: _stored)
-            own_k = _stored(torch.where(self_full, k_full, k), pool_k)
-            own_v = _stored(torch.where(self_full, v_full, v), pool_v)
-            keys = torch.where(is_self, own_k.unsqueeze(1), pool_k[i][inp.slots].to(x.dtype))
-            values = torch.where(is_self, own_v.unsqueeze(1), pool_v[i][inp.slots].to(x.dtype))
-            lv = None
+            # the row's own new entry in place of its unwritten slot, rounded as the pool will hold
+            # it (a kv_cache_dtype other than the model's: as_stored)
+            own_k = as_stored(torch.where(self_full, k_full, k), pool_k)
+            own_v = as_stored(torch.where(self_full, v_full, v), pool_v)
+            new_lr = None
             if inp.lr_down is not None:
                 new_lr = h @ inp.lr_down[i]  # [B, C]
                 out_lr.append(new_lr)
-            if reads_lr:
-                own_lr = _stored(new_lr, pool_lr)[:, None, :]
-                lr = torch.where(inp.is_self[:, :, None], own_lr, pool_lr[i][inp.slots].to(x.dtype))
-                lr = torch.gather(lr, 2, inp.lr_cols[:, None, :].expand(B, L, -1))  # [B, L, rk + rv]
-                lr = torch.where(lr_on, lr, 0.0)  # rows of other stores hold no LR rows (never written)
-                lk, lv = lr[..., :rank_k], lr[..., rank_k:]
-                if "k_proj" in stacks:
-                    delta = torch.bmm(lk, stacks["k_proj"][1][inp.lr_adapter, i]).view(B, L, Hkv, D)
-                    keys = keys + RotaryEmbedding.apply(delta, key_cos, key_sin)
-            qh = (q * scale).view(B, Hkv, G, D)
-            scores = torch.matmul(qh, keys.permute(0, 2, 3, 1))  # [B, Hkv, G, L]
             visible = inp.key_valid
             if self.windows[i] is not None:
                 visible = visible & (inp.key_positions > inp.positions[:, None] - self.windows[i])
-            scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-            scores = scores.float()
-            weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # masked keys: 0
-            # softmax's denominator as a product with ones, not a sum: inductor's C++ code for a
-            # float sum over more than 4,096 elements differs and is chosen behind a guard on the
-            # key count, which recompiled the step once a context passed 4,096 keys
-            probs = (weights / torch.matmul(weights, weights.new_ones(L, 1))).to(q.dtype)
-            attn = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [B, Hkv, G, D]: P Vb
-            if lv is not None and "v_proj" in stacks:
-                plv = torch.matmul(probs.reshape(B, Hq, L), lv)  # [B, Hq, rv]: P Lv
-                bv = stacks["v_proj"][1][inp.lr_adapter, i].view(B, -1, Hkv, D).permute(0, 2, 1, 3)
-                attn = attn + torch.matmul(plv.view(B, Hkv, G, -1), bv)  # + s (P Lv) B^v
+            qh = (q * scale).view(B, Hkv, G, D)
+            pools = (pool_k, pool_v, pool_lr)
+            attn = attend(inp, i, qh, (own_k, own_v, new_lr), pools, visible, (key_cos, key_sin))
             attn = attn.reshape(B, Hq * D)
             x = x + _plus(
                 w.linear(attn, p + "o_proj", p + "o_proj_bias"), _lora(attn, stacks.get("o_proj"), i, idx)
@@ -290,8 +259,9 @@ class DecodeGraph:
     @torch.no_grad()
     def __call__(self, inputs: DecodeStepInputs, pool_k, pool_v, pool_lr) -> DecodeStepOutputs:
         """Run one step; ``pool_k``/``pool_v`` ``[n_layers, rows, n_kv_heads, head_dim]`` and
-        ``pool_lr`` ``[n_layers, rows, C]`` are read only (in the model's dtype or another
-        ``kv_cache_dtype``, widened as they are gathered)."""
+        ``pool_lr`` ``[n_layers, rows, C]`` (the pool's tensors, or views of one run of their rows
+        for window inputs) are read only (in the model's dtype or another ``kv_cache_dtype``,
+        widened as they are read)."""
         if not self.compiled:
             return self._fn(inputs, pool_k, pool_v, pool_lr)
         per_key = (inputs.slots, inputs.key_positions, inputs.key_valid, inputs.is_self, inputs.lr_on)
@@ -301,6 +271,9 @@ class DecodeGraph:
             per_row = (inputs.token_ids, inputs.positions, inputs.adapter, inputs.self_full, inputs.lr_cols)
             for t in (*per_row, inputs.lr_adapter, *per_key):
                 torch._dynamo.mark_dynamic(t, 0)
+        if inputs.window:  # the run of pool rows the window reads grows with the context
+            for t in (pool_k, pool_v, pool_lr):
+                torch._dynamo.mark_dynamic(t, 1)
         for a, b in inputs.stacks.values():  # adapters loaded at run time add rows, not graphs
             torch._dynamo.mark_dynamic(a, 0)
             torch._dynamo.mark_dynamic(b, 0)
@@ -308,7 +281,9 @@ class DecodeGraph:
         if variant in self._variants:
             with _configured():
                 return self._fn(inputs, pool_k, pool_v, pool_lr)
-        rows = "1 row" if variant[0] == 1 else "2 rows or more"
+        rows = (
+            ("1 row, one run of keys" if inputs.window else "1 row") if variant[0] == 1 else "2 rows or more"
+        )
         t0 = time.perf_counter()
         with (
             progress(1, f"compiling the decode step ({rows}; cached under {inductor_cache_dir()})"),
@@ -336,4 +311,5 @@ def _variant(inputs: DecodeStepInputs, pool_lr: torch.Tensor) -> tuple:
     """What makes dynamo trace a new graph: one row or more, the LoRA layout, the LR widths."""
     layout = tuple(sorted((p, tuple(a.shape[1:]), tuple(b.shape[1:])) for p, (a, b) in inputs.stacks.items()))
     lr_down = None if inputs.lr_down is None else tuple(inputs.lr_down.shape)
-    return (min(inputs.slots.shape[0], 2), layout, inputs.lr_cols.shape[1], lr_down, tuple(pool_lr.shape[2:]))
+    lr_width = tuple(pool_lr.shape[2:])
+    return (min(inputs.slots.shape[0], 2), inputs.window, layout, inputs.lr_cols.shape[1], lr_down, lr_width)
