@@ -51,9 +51,9 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
     """``--dtype float32 | bfloat16`` (default: ``precache.load_model``'s, bfloat16 on CUDA and
-    float32 on a CPU), ``--quantization int8`` (int8 weight-only on a CPU), ``--kv-cache-dtype``
-    (the block pool's dtype) and ``--eager`` (no compiled decode step); README, "Precision on
-    CPU", "KV-cache dtype" and "Compiled decode"."""
+    float32 on a CPU), ``--quantization int8 | int4`` (weight-only on a CPU), ``--kv-cache-dtype``
+    (the block pool's dtype) and ``--eager`` (no compiled decode step); docs/performance.md,
+    "Precision on CPU", "KV-cache dtype" and "Compiled decode"."""
     parser.add_argument(
         "--dtype",
         choices=DTYPES,
@@ -64,15 +64,15 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=QUANTIZATIONS,
         default=None,
-        help="int8 | int4: the projections and LM head as int8 (per row) or int4 (groups of 64) "
-        "weight-only, on a CPU (compute stays at --dtype; int4 changes outputs most, README)",
+        help="int8 | int4: the projections as int8 (per row) or int4 (groups of 32 inputs) weight-only, "
+        "the LM head int8, on a CPU (compute stays at --dtype; docs/performance.md)",
     )
     parser.add_argument(
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         default="auto",
         help="the KV block pool's dtype (auto: --dtype); bfloat16 halves an fp32 model's cache and "
-        'what each decode step reads from it (README, "KV-cache dtype")',
+        'what each decode step reads from it (docs/performance.md, "KV-cache dtype")',
     )
     parser.add_argument(
         "--eager",

@@ -40,7 +40,7 @@ def run_demo(
     adapters = resources.adapter_set(adapter_set, ROLES)
     console = console or terminal.console()
     # eager: a demo episode decodes a few hundred tokens, less than a cold compile of the decode
-    # step costs (a minute or more per graph on 2 cores; README, "Compiled decode")
+    # step costs (a minute or more per graph on 2 cores; docs/performance.md, "Compiled decode")
     model = precache.load_model(compile=False)
     question = get_question(question_id) if question_id else load_questions("dev")[0]
     console.print(

@@ -1,7 +1,7 @@
 """``kv_cache_dtype``: the block pool in another dtype than the model (vLLM's option of that name).
 An fp32 model with a bf16 pool against the same model with an fp32 pool, for every method: the
 pool holds bf16 entries (half the bytes for the same blocks), every read widens them, and the
-teacher-forced logits differ only by the entries' rounding (README, "KV-cache dtype")."""
+teacher-forced logits differ only by the entries' rounding (docs/performance.md, "KV-cache dtype")."""
 
 from __future__ import annotations
 

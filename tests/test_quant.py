@@ -115,7 +115,7 @@ def _logits(model, dirs, method) -> torch.Tensor:
 
 
 #: each precision's logits against fp32's (relative to the largest) and greedy top-1 agreement
-#: on this tiny model (README, "Precision on CPU"): bound and floor. Measured over the three
+#: on this tiny model (docs/performance.md, "Precision on CPU"): bound and floor. Measured over the three
 #: methods: int8 0.017-0.022 with top-1 0.95; int4 (4 bits in groups of 32 over the wide random
 #: weights, the LM head int8) 0.30-0.46 with top-1 0.70-0.95
 ERRORS = {"int8": (0.05, 0.9), "int4": (0.6, 0.6)}
@@ -143,7 +143,7 @@ def test_quantized_engine_matches_fp32_references(tmp_path, method, quantization
     # the products' inputs (and int4's outputs) rounded to bf16: the only difference from the
     # dequantized fp32 model
     assert (got - same_weights).abs().max() < 0.02 * scale
-    # the quantization error against the original weights (stated in README, "Precision on CPU")
+    # the quantization error against the original weights (stated in docs/performance.md, "Precision on CPU")
     bound, agreement = ERRORS[quantization]
     err = (got - ref).abs().max()
     assert 0 < err < bound * scale, (err, scale)

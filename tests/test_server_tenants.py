@@ -1,4 +1,4 @@
-"""Tenant isolation and determinism inside a tenant (README.md, "Security"; docs/DESIGN.md,
+"""Tenant isolation and determinism inside a tenant (docs/security.md; docs/DESIGN.md,
 "Determinism"): a tenant never reuses, nor learns about, another tenant's cache; a conversation
 gives the same tokens alone and interleaved with another tenant's conversations, under every
 method; a re-read of a cached prompt token never rewrites a shared entry; the base-model id is an

@@ -51,7 +51,7 @@ class EngineConfig:
       (:func:`~precache.models.quant.resolve_kv_cache_dtype`; vLLM's ``kv_cache_dtype``; None: the
       model's ``kv_cache_dtype`` from :func:`precache.load_model`, else its dtype): ``"bfloat16"``
       halves an fp32 model's cache and what each decode step reads from it; entries are rounded
-      once when written and widened to the model's dtype when read (README, "KV-cache dtype").
+      once when written and widened to the model's dtype when read (docs/performance.md, "KV-cache dtype").
     - ``attention_backend``: the attention kernel, ``"torch"`` or ``"triton"`` (None: ``"triton"``
       on CUDA when triton is installed, else ``"torch"``).
     - ``max_adapters``: adapters loaded at once, counting those ``Engine.add_adapter`` adds later;

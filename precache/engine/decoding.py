@@ -13,7 +13,8 @@ a stop string. At the end :meth:`Decoder.close` releases what those two held bac
 
 A :class:`Decoder` knows nothing of caches, rows or sessions: the request
 (:mod:`precache.engine.request`) appends the token to its trajectory and decides when the turn ends
-(a stop reason from here, or its token budget).
+(a stop reason from here, or its token budget). :func:`eos_token_ids` reads the EOS ids a model
+declares, which end every turn unless ``ignore_eos``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,24 @@ from precache.engine.detokenize import IncrementalDetokenizer, StopStrings
 from precache.engine.outputs import StreamChunk, TokenLogprob, Turn
 from precache.engine.sampler import sample, shape_logits, token_logprobs
 from precache.engine.structured import GrammarMatcher
+
+
+def eos_token_ids(model) -> frozenset[int]:
+    """Token ids that end a turn of ``model``: ``generation_config.json``'s ``eos_token_id`` (an int
+    or a list, e.g. Llama-3's ``<|end_of_text|>`` and ``<|eot_id|>``), which HF ``generate`` stops
+    on, plus config.json's and the tokenizer's EOS (what chat templates end a message with). Empty
+    when none of them names one."""
+    ids: set[int] = set()
+    for src in (
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+        getattr(model.hf_config, "eos_token_id", None),
+        getattr(model.tokenizer, "eos_token_id", None),
+    ):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, list | tuple):
+            ids.update(int(i) for i in src)
+    return frozenset(ids)
 
 
 @dataclass(slots=True, eq=False)

@@ -16,6 +16,7 @@ from precache.compute import on_compute
 from precache.config import SamplingOptions
 from precache.engine.concurrency import run_concurrently
 from precache.engine.config import EngineConfig, EngineOptions, spare_lr_slots
+from precache.engine.decoding import eos_token_ids
 from precache.engine.detokenize import token_bytes
 from precache.engine.outputs import Turn
 from precache.engine.request import Request
@@ -91,7 +92,7 @@ class Engine:
             config.method, self.model, self.adapters, self.pool, prefix_caching=config.prefix_caching
         )
         self.attention = get_backend(config.attention_backend or default_backend(self.model.device))
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = eos_token_ids(self.model)
         self.swap_space = SwapSpace(self.pool, config.host_swap_bytes())
         self.scheduler = Scheduler(
             self._forward, config.scheduler, pool=self.pool, runner=on_compute, swap_space=self.swap_space
@@ -159,22 +160,6 @@ class Engine:
 
         self.scheduler.exclusive(remove)
         logger.info("adapter '%s' removed", name)
-
-    def _eos_ids(self) -> frozenset[int]:
-        """Token ids that end a turn: ``generation_config.json``'s ``eos_token_id`` (an int or a
-        list, e.g. Llama-3's ``<|end_of_text|>`` and ``<|eot_id|>``), which HF ``generate`` stops on,
-        plus config.json's and the tokenizer's EOS (what chat templates end a message with)."""
-        ids: set[int] = set()
-        for src in (
-            getattr(getattr(self.model, "generation_config", None), "eos_token_id", None),
-            getattr(self.model.hf_config, "eos_token_id", None),
-            getattr(self.tokenizer, "eos_token_id", None),
-        ):
-            if isinstance(src, int):
-                ids.add(src)
-            elif isinstance(src, list | tuple):
-                ids.update(int(i) for i in src)
-        return frozenset(ids)
 
     def cache_usage(self) -> dict[str, int]:
         """KV-cache memory in bytes: ``total`` (the pool), ``allocated`` (blocks held by some
@@ -274,7 +259,7 @@ class Engine:
         """Compile the model's captured decode step for this engine's method and adapters now, not in
         the first requests' decode (a server calls it before it listens): one short decode of one
         row and one of two rows, with the first adapter, on throwaway sessions. Seconds when the
-        graphs are in the disk cache, a minute or more each when cold (README, "Compiled decode").
+        graphs are in the disk cache, a minute or more each when cold (docs/performance.md, "Compiled decode").
         Nothing happens when the model has no captured step (``compile=False``, not a CPU)."""
         if getattr(self.model, "decode_graph", None) is None:
             return

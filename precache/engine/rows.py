@@ -109,8 +109,7 @@ class RunningSet:
         if request.swapped is not None:  # its caches never came back: the session starts over
             self.swap_space.forget(request.session)
             request.session.forget_caches()
-        if request.session.active is request:
-            request.session.active = None
+        request.session.release_turn(request)
         request.error, request.state = error, RequestState.FAILED
         batch.finished.append(request)
 

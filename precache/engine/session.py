@@ -29,17 +29,17 @@ class Session:
 
     ``token_ids`` is the whole trajectory; ``authors[t]`` the agent whose forward processed token
     t first (DESIGN.md, Notation; None: the base model, or a token whose cache blocks came from
-    another trajectory with the same prefix). The caches live in ``state`` (see :mod:`precache.methods`).
-    ``id`` names the trajectory (the server's ``session_id``); ``active`` is the request whose turn
-    runs on it (None between turns; the request reports its turn's opening, tokens and end through
-    :meth:`start_turn`, :meth:`extend_authors`, :meth:`add_token`, :meth:`close_turn` and
-    :meth:`commit_turn`, and the session writes its own fields); ``last_turn_end`` the trajectory
-    length when the latest turn closed (what was appended since is the next turn's :attr:`Turn.appended`). ``cache_salt``: the
+    another trajectory with the same prefix). The caches live in ``state`` (:mod:`precache.methods`).
+    ``id`` names the trajectory (the server's ``session_id``); ``active``: the request whose turn
+    runs on it (None between turns); ``last_turn_end``: the trajectory length when the latest turn
+    closed (what was appended since is the next turn's :attr:`Turn.appended`). ``cache_salt``: the
     tenant (None: the default one); the trajectory reuses and publishes cache blocks by token prefix
     only among trajectories with the same salt (:mod:`precache.cache.prefix`), and its forks keep it.
     ``swapped``: the host copies of its caches while the engine has swapped them out; ``dropped``:
     the engine's swap space dropped them (:mod:`precache.engine.swap_space`), only the tokens and
-    authors are kept, and the next request rebuilds the caches from them.
+    authors are kept, and the next request rebuilds the caches from them. Only the session writes
+    these fields: the request reports through :meth:`start_turn` ... :meth:`release_turn`, the
+    swap space through :meth:`note_swapped` and :meth:`note_rebuilt`.
     """
 
     engine: object
@@ -279,7 +279,7 @@ class Session:
         check_room(len(self.token_ids), self.engine.max_context)
         return params
 
-    # -- what the open turn reports (the request never writes these fields) ----------------------
+    # -- what the open turn and the swap space report (they never write these fields) ------------
     def start_turn(self, request: Request) -> None:
         """``request``'s turn is open on this session (until :meth:`commit_turn`)."""
         self.active = request
@@ -301,6 +301,22 @@ class Session:
         """The open turn is over (its post-turn pass too) and ``turn`` is its record: the session is
         free for the next one."""
         self.active, self.last_turn, self.last_used = None, turn, time.perf_counter()
+
+    def release_turn(self, request: Request) -> None:
+        """``request`` failed: the session is free, with no record (unless another turn is open)."""
+        if self.active is request:
+            self.active = None
+
+    def note_swapped(self, copies: SwappedBlocks | None) -> None:
+        """The caches now live in host memory as ``copies`` (None: back in the pool, or freed)."""
+        self.swapped = copies
+
+    def note_rebuilt(self, exact: bool) -> None:
+        """The dropped caches were rebuilt from the tokens; not ``exact``: the method starts the
+        trajectory over, so the authors are forgotten and the next turn prefills every token."""
+        if not exact:
+            self.authors.clear()
+        self.dropped = False
 
     def _chunks(self, request: Request) -> Iterator[StreamChunk]:
         try:

@@ -144,7 +144,7 @@ class SwapSpace:
             self.drops += 1
             logger.debug("session %s dropped: its %d host bytes pass the swap space", session.id, need)
         else:
-            session.swapped = swap_out(self.pool, stores)
+            session.note_swapped(swap_out(self.pool, stores))
             self._entries[id(session)] = weakref.ref(session)
             self.swap_outs += 1
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)
@@ -163,7 +163,7 @@ class SwapSpace:
     def forget(self, session) -> None:
         """Free ``session``'s host copies, if any (it was swapped in or closed)."""
         held = session.swapped is not None
-        session.swapped = None
+        session.note_swapped(None)
         self._entries.pop(id(session), None)
         if held:
             release_freed_host_memory()
@@ -199,12 +199,9 @@ class SwapSpace:
         if not session.dropped:
             return 0
         plans = session.method.rebuild(session.state, agent, session.token_ids, session.authors)
-        if plans is None:
-            session.authors.clear()
-            plans = []
         if plans:
             forward(plans)
-        session.dropped = False
-        tokens = sum(len(p.token_ids) for p in plans)
+        session.note_rebuilt(exact=plans is not None)
+        tokens = sum(len(p.token_ids) for p in plans or [])
         self.rebuilt_tokens += tokens
         return tokens

@@ -2,7 +2,8 @@
 other agents' segments, and each agent's own earlier segments read from its exact adapted K/V
 (DESIGN.md, "ReBaseOwnShared").
 
-The study located the two paper methods' errors (benchmarks/RESULTS.md, "What the study says"):
+The study located the two paper methods' errors (benchmarks/RESULTS.md, "The study: every method
+against NonShared", columns ``k_error_own`` / ``k_error_other``):
 ReBaseShared reads the other agents' segments best (a neutral base, ``h^0``, plus the reader's
 LR part) and its own worst (the same neutral base, where its exact K/V existed during the turn);
 PreLRShared reads its own exactly and the others' through a base written from their adapters.

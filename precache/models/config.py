@@ -2,7 +2,7 @@
 
 Every ``config.json`` field that changes the forward in transformers' modeling code for the
 supported families is either honoured or refused here, before any weight is read ("honour it or
-refuse it"; README, "Supported models"). This module reads the fields every family shares; the
+refuse it"; docs/library.md, "Supported models"). This module reads the fields every family shares; the
 family's module (found through :data:`~precache.models.family.MODEL_REGISTRY` by ``model_type``)
 decides the rest (:meth:`~precache.models.family.ModelFamily.config_fields`):
 

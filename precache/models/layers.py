@@ -39,10 +39,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     the torch threads on a CPU at fp32.
 
     MKL runs a matrix-vector product (decode: a few rows) on one thread, so a decode step streamed
-    its weights at one core's bandwidth (12 GB/s here, benchmarks/RESULTS.md "Issue 22"). Viewing
-    ``weight`` as ``T`` slices of ``d_out / T`` output rows (no copy) and multiplying them as one
-    batched product spreads the slices over the ``T`` threads; each output is the same dot product
-    over ``d_in``, equal to ``F.linear``'s up to float rounding (relative error below 1e-6,
+    its weights at one core's bandwidth (12 GB/s on a 2-core AMD EPYC, measured 2026-12-01 in an
+    earlier run, in benchmarks/RESULTS.md's git history). Viewing ``weight`` as ``T`` slices of
+    ``d_out / T`` output rows (no copy) and multiplying them as one batched product spreads the
+    slices over the ``T`` threads; each output is the same dot product over ``d_in``, equal to
+    ``F.linear``'s up to float rounding (relative error below 1e-6,
     ``tests/test_forward.py``). Other devices, dtypes (bf16 already runs on every thread),
     and more than :data:`SPLIT_LINEAR_MAX_ROWS` rows keep ``F.linear``. An
     :class:`~precache.models.quant.Int8Weight` or ``Int4Weight`` runs its own kernel.
@@ -114,7 +115,7 @@ def adapter_groups(rows: list[Row], device) -> AdapterGroups:
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, rows: AdapterGroups, layer: int, proj: str) -> torch.Tensor:
     """Add each row's LoRA delta ``s (x A) B`` to ``y`` in place, one product pair per adapter over
-    all its rows (a decode step of 16 rows ran 16 pairs per projection, issue 22). ``x``
+    all its rows (not one pair per row: 16 per projection at a decode step of 16 rows). ``x``
     ``[N, d_in]``, ``y`` ``[N, d_out]``."""
     for adapter, tokens in rows.groups:
         if not adapter.has(layer, proj):

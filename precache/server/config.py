@@ -21,7 +21,7 @@ class ServerConfig:
     always added). ``min_fork_tokens``: shortest shared prefix worth copying into a new session
     (see :class:`~precache.server.sessions.SessionPool`).
 
-    Security (README.md, "Security"): ``api_keys``: bearer keys a ``/v1`` request must carry (empty:
+    Security (docs/security.md): ``api_keys``: bearer keys a ``/v1`` request must carry (empty:
     no authentication); each key is a tenant of its own. ``max_request_bytes``: the largest request
     body (larger: 413). ``trust_client_special_tokens``: chat message content may spell the chat
     template's control tokens (off: such strings stay text).
@@ -32,7 +32,7 @@ class ServerConfig:
     ``tool_call_parser``: the format of tool calls in the model's answers
     (:data:`~precache.server.tool_parsers.TOOL_PARSERS`: ``hermes``, ``llama3_json``, ``mistral``).
 
-    Slow and stalled clients (README.md, "Security"): ``stream_buffer_events``: events (tokens,
+    Slow and stalled clients (docs/security.md): ``stream_buffer_events``: events (tokens,
     turns) a request may have waiting for its client; past it the request is held out of the
     batch (its blocks kept) until the client reads half of them. ``stream_stall_timeout_s``: a
     request held this long is cancelled (everything freed; 408 ``stream_stalled`` to the client

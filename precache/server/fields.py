@@ -1,8 +1,7 @@
 """The field policy of the OpenAI-compatible server: vLLM's request fields that precache ignores
 (they cannot change the output) or refuses (a 400 naming the field unless it holds its no-op
 value). Every other field is honoured (:mod:`precache.server.protocol`); a field in neither list
-and not honoured is unknown, also a 400. README.md, "OpenAI-compatible server: what it supports
-and refuses", lists them all.
+and not honoured is unknown, also a 400. docs/server.md, "Request fields", lists them all.
 """
 
 from __future__ import annotations

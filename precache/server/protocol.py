@@ -7,8 +7,8 @@ is queued; what depends on the engine (the context length, token ids, the constr
 the engine's own check (:mod:`precache.engine.validation`), its typed error mapped by
 :func:`~precache.server.errors.engine_refusal`. Extensions: vLLM's (through the client's ``extra_body``: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``,
-...) and ours: ``session_id`` pins a trajectory. README.md, "OpenAI-compatible server: what it
-supports and refuses", lists every field.
+...) and ours: ``session_id`` pins a trajectory. docs/server.md, "Request fields", lists every
+field.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def check_fields(req: _GenerationRequest) -> None:
             if not any(value == ok and type(value) is type(ok) for ok in accepted):
                 raise refuse(name, why)
         else:
-            raise refuse(name, "unknown field (README lists the supported ones)", "unknown_parameter")
+            raise refuse(name, "unknown field (docs/server.md lists the supported ones)", "unknown_parameter")
     if isinstance(req, CompletionRequest) and req.tool_choice not in (None, "none"):
         raise refuse("tool_choice", "tool calling needs /v1/chat/completions")
     if req.stream_options is not None:

@@ -1,12 +1,14 @@
 """Decode rows of one forward attended as one padded batch (the torch backend's decode path).
 
 A decode step of ``B`` trajectories otherwise runs ``B`` small attention calls per layer, each a
-dozen torch ops: at batch 16 on a CPU that loop, not the arithmetic, is the largest part of a
-step (RESULTS.md, issue 22). Here the rows' key slots are gathered once per forward into a padded
-``[B, L]`` table of pool rows; each layer then gathers ``Kb``/``Vb`` through it and runs one
-batched score product, one softmax and one value product for all rows. Each agent's LR part is one
-group of slots: ``RoPE(s Lk B^k)`` added to those keys, and ``s (P Lv) B^v`` added to the output
-for the rows that read it (DESIGN.md, Notation), so the values stay base + low rank as in
+dozen torch ops: at batch 16 on a CPU that loop, not the arithmetic, was the largest part of a
+step (PreLRShared, 16 rows of 256 keys: 71.9 ms of a 152.5 ms step, the weight products 62.4;
+2-core AMD EPYC, measured 2026-12-01 in an earlier run, in benchmarks/RESULTS.md's git history).
+Here the rows' key slots are gathered once per forward into a padded ``[B, L]`` table of pool
+rows; each layer then gathers ``Kb``/``Vb`` through it and runs one batched score product, one
+softmax and one value product for all rows. Each agent's LR part is one group of slots:
+``RoPE(s Lk B^k)`` added to those keys, and ``s (P Lv) B^v`` added to the output for the rows
+that read it (DESIGN.md, Notation), so the values stay base + low rank as in
 :func:`~precache.cache.attention.segments.attend`, which stays the reference the tests compare to.
 
 Rows are bucketed by length so that padding stays below :data:`PAD_SLACK` of the real slots;
@@ -28,7 +30,8 @@ PAD_SLACK = 1.25
 #: rows reading more keys keep the per-row path: the gather copies every key once more per layer,
 #: and past about this many keys that costs what batching saves (SmolLM2, 16 rows, 2 threads:
 #: batched 35 against 187 ms at 256 keys, 138 against 163 at 1,024, 360 against 393 at 2,048,
-#: even at 3,072; ``benchmarks/decode_attention_micro.py``, RESULTS.md issue 22)
+#: even at 3,072; ``benchmarks/decode_attention_micro.py``; benchmarks/RESULTS.md, "The eager
+#: decode attention: batched buckets")
 BATCH_MAX_KEYS = 2048
 #: the same at one torch thread, where the per-row products pay no thread start-up (batched 47
 #: against 55 ms at 384 keys, 80-122 against 68-111 at 512, three runs each)
