@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
 
+import precache
+from precache.engine import Session
 from precache.errors import ContextLengthError, EmptyRequestError, UnknownAdapterError
 from precache.methods import METHODS, SELECTIVE_METHODS
 from tests.tiny import make_engine, run_script
@@ -207,3 +213,44 @@ def test_an_abandoned_stream_closes_its_turn(tiny, method):
     s.check()  # every LR cache as long as the base again (LP ran its neutral pass)
     assert s.state.base.length == len(s) - 1
     assert len(s.generate(agent="action", max_new_tokens=3).token_ids) == 3
+
+
+#: list methods that change a list in place
+MUTATORS = ("append", "extend", "clear", "pop", "insert", "remove")
+
+
+def _is_session(node: ast.expr) -> bool:
+    """``session``, ``self.session``, ``request.session``, ``victim_session``: an expression named as
+    a session."""
+    name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+    return "session" in name
+
+
+def test_only_the_session_writes_its_fields():
+    """Every write to a session's fields outside ``engine/session.py`` goes through a Session
+    method (``start_turn``, ``release_turn``, ``note_swapped``, ...): no assignment, deletion or
+    in-place list change of ``<session>.<field>`` anywhere else in precache/."""
+    fields = {f.name for f in dataclasses.fields(Session)}
+    root = Path(precache.__file__).parent
+    writes = []
+    for path in sorted(root.rglob("*.py")):
+        if path == root / "engine" / "session.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = []
+            if isinstance(node, ast.Assign | ast.Delete):
+                targets = node.targets
+            elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+                targets = [node.target]
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in MUTATORS
+            ):
+                targets = [node.func.value]
+            for target in targets:
+                while isinstance(target, ast.Subscript):  # del session.authors[n:]
+                    target = target.value
+                if isinstance(target, ast.Attribute) and target.attr in fields and _is_session(target.value):
+                    writes.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(target)}")
+    assert writes == []
