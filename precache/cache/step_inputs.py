@@ -22,6 +22,7 @@ from precache.cache.rowplan import BaseWrite, FullWrite, LRWrite, RowPlan
 from precache.lora.adapter import LoRAAdapter
 from precache.lora.targets import PROJECTIONS
 from precache.models.contract import DecodeStepInputs, DecodeStepOutputs
+from precache.models.step_attention import MAX_RUNS
 
 #: adapters a pool's stacks hold before they are rebuilt from one step's adapters only
 MAX_STACKED = 16
@@ -114,8 +115,8 @@ def decode_step_inputs(
     model, plans: list[RowPlan], pool: KVPool
 ) -> tuple[DecodeStepInputs, StepWrites, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
     """The captured step's inputs, the step's pool writes and the pool tensors the step reads
-    (``pool.k``, ``pool.v``, ``pool.lr``, or their views over one run of rows when the inputs are
-    a window, :class:`DecodeStepInputs`) for ``plans`` (one token each, in batch order, their
+    (``pool.k``, ``pool.v``, ``pool.lr``, or for window inputs (:class:`DecodeStepInputs`) tuples
+    of their views over each run of rows) for ``plans`` (one token each, in batch order, their
     written blocks already reserved), or None when the graph does not run them (module
     docstring)."""
     c = model.config
@@ -195,30 +196,31 @@ def decode_step_inputs(
     return _tensors(model, pool, rows, stacks, writers, base_w, full_w, lr_w)
 
 
-def _window(slot_t: torch.Tensor, col: int) -> tuple[int, torch.Tensor] | None:
-    """``(lo, order)`` when a row's keys other than key ``col`` (its own) are the pool rows
-    ``lo .. lo + n - 2``, each once, with ``order`` ``[n]`` the keys in run order and the own key
-    last; None otherwise (or when the run is shorter than two rows: a dynamic dimension is never
-    1)."""
+def _window(slot_t: torch.Tensor, col: int) -> tuple[list[slice], torch.Tensor] | None:
+    """``(runs, order)`` when a row's keys other than key ``col`` (its own) are at most
+    :data:`MAX_RUNS` runs of contiguous pool rows, each of two rows or more (a dynamic dimension
+    is never 1): ``runs`` the pool rows of each, ascending, ``order`` ``[n]`` the keys in run order
+    with the own key last; None otherwise."""
     n = slot_t.shape[0]
     keys = torch.cat([torch.arange(col), torch.arange(col + 1, n)])
-    others = slot_t[keys]
+    others, by_row = slot_t[keys].sort()
     if others.numel() < 2:
         return None
-    lo = int(others.min())
-    if int(others.max()) - lo != n - 2 or int(torch.bincount(others - lo).max()) != 1:
+    breaks = ((others[1:] - others[:-1]) != 1).nonzero().flatten().tolist()
+    if len(breaks) >= MAX_RUNS:
         return None
-    order = torch.empty(n, dtype=torch.long)
-    order[others - lo] = keys
-    order[n - 1] = col
-    return lo, order
+    bounds = [0, *(b + 1 for b in breaks), others.numel()]
+    if any(e - s < 2 for s, e in zip(bounds, bounds[1:], strict=False)):
+        return None
+    runs = [slice(int(others[s]), int(others[e - 1]) + 1) for s, e in zip(bounds, bounds[1:], strict=False)]
+    return runs, torch.cat([keys[by_row], torch.tensor([col])])
 
 
 def _tensors(model, pool, rows, stacks: _Stacks, writers, base_w, full_w, lr_w):
     B = len(rows)
     window = _window(rows[0][1], rows[0][4]) if B == 1 and pool.device.type == "cpu" else None
     if window is not None:  # the keys in run order, the own key last (DecodeStepInputs.window)
-        lo, order = window
+        runs, order = window
         plan, slot_t, pos_t, lr_t, _, own_full, lr_read = rows[0]
         rows = [(plan, slot_t[order], pos_t[order], lr_t[order], len(order) - 1, own_full, lr_read)]
     L = max(2, *(r[1].shape[0] for r in rows))  # a dynamic dimension is never 1
@@ -291,8 +293,7 @@ def _tensors(model, pool, rows, stacks: _Stacks, writers, base_w, full_w, lr_w):
     writes = StepWrites(*pairs(base_w), *pairs(full_w), tuple(lr_passes))
     if window is None:
         return inputs, writes, (pool.k, pool.v, pool.lr)
-    run = slice(window[0], window[0] + L - 1)
-    return inputs, writes, (pool.k[:, run], pool.v[:, run], pool.lr[:, run])
+    return inputs, writes, tuple(tuple(t[:, run] for run in runs) for t in (pool.k, pool.v, pool.lr))
 
 
 def write_step(pool: KVPool, out: DecodeStepOutputs, writes: StepWrites) -> None:

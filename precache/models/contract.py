@@ -137,9 +137,9 @@ class DecodeStepInputs:
     without the projection: zeros); ``lr_down`` ``[n_layers, hidden, C]``: every agent's ``A^k``/``A^v``
     in the pool's LR column order (None when the step writes and reads no LR cache).
 
-    ``window``: one row (``B == 1``) whose keys other than its own are one contiguous run of
-    ``L - 1`` pool rows, which the step receives as views ``[n_layers, L - 1, ...]`` of the pools
-    and reads in place; key ``j < L - 1`` is the run's row ``j`` and key ``L - 1`` the row's own
+    ``window``: one row (``B == 1``) whose keys other than its own lie in one or a few runs of
+    contiguous pool rows, which the step receives as views ``[n_layers, W_r, ...]`` of the pools
+    and reads in place; the keys are the runs' rows in order, then the row's own
     (:mod:`precache.models.step_attention`). ``slots`` still names every key's pool row.
     """
 

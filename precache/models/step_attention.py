@@ -3,11 +3,12 @@ the block pool, in the two layouts :class:`~precache.models.contract.DecodeStepI
 
 - **Gathered** (any batch): row ``b``'s keys are pool rows ``slots[b]``; the graph gathers them
   (and their LR rows) into a copy and takes the row's own key from what the step computed.
-- **Window** (one row whose other keys fill one contiguous run of pool rows, as a trajectory's
-  blocks lie after a prefill and its appends): the pools arrive as views of that run
-  ``[n_layers, W, ...]``, read in place by the score and value products; the row's own key is key
-  ``W``. At 5,000 keys the gathered layout's copy made attention about three times as slow as
-  reading the run in place (benchmarks/RESULTS.md, "Compiled decode step").
+- **Window** (one row whose other keys fill at most :data:`MAX_RUNS` runs of contiguous pool
+  rows, as a trajectory's blocks lie after a prefill and its appends, behind a cached prompt
+  prefix): the pools arrive as views of each run ``[n_layers, W_r, ...]``, read in place by the
+  score and value products; the row's own key is the last. At 5,000 keys the gathered layout's
+  copy made attention about three times as slow as reading the runs in place
+  (benchmarks/RESULTS.md, "Compiled decode step").
 
 Both compute the same maths (module docstring of step_graph; DESIGN.md "Notation"): scores
 ``q K^T / sqrt(D)`` over the visible keys, ``K = Kb + lr_on RoPE(s Lk B^k)``, softmax in fp32,
@@ -21,11 +22,17 @@ import torch
 from precache.models.contract import DecodeStepInputs
 from precache.models.rope import RotaryEmbedding
 
+#: runs of pool rows a window row may read (each count is a graph of its own): one for a
+#: trajectory laid out in one run, two behind a prompt prefix cached by another trajectory
+MAX_RUNS = 2
 
-def as_stored(t: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
-    """``t`` as ``pool`` will hold it once written, back in ``t``'s dtype (a no-op when the pool
-    has the model's dtype): the eager forward writes a token's entries first and then reads them."""
-    return t if pool.dtype == t.dtype else t.to(pool.dtype).to(t.dtype)
+
+def as_stored(t: torch.Tensor, pool: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``t`` as ``pool`` (a pool tensor or views of it) will hold it once written, back in ``t``'s
+    dtype (a no-op when the pool has the model's dtype): the eager forward writes a token's
+    entries first and then reads them."""
+    dtype = pool[0].dtype if isinstance(pool, tuple) else pool.dtype
+    return t if dtype == t.dtype else t.to(dtype).to(t.dtype)
 
 
 def attend(
@@ -42,18 +49,17 @@ def attend(
     ``qh`` ``[B, n_kv_heads, group, head_dim]``: the queries after RoPE, scaled by ``1/sqrt(D)``;
     ``own``: the row's own key and value ``[B, n_kv_heads, head_dim]`` (after RoPE, rounded as the
     pool will hold them) and its LR row ``[B, C]`` (None without LR writes); ``pools``: the pool's
-    K, V ``[n_layers, rows, n_kv_heads, head_dim]`` and LR ``[n_layers, rows, C]`` (the window's
-    rows in the window layout), read only, in any KV-cache dtype; ``visible`` ``[B, L]`` bool;
+    K, V ``[n_layers, rows, n_kv_heads, head_dim]`` and LR ``[n_layers, rows, C]`` (in the window
+    layout, tuples of views of each run's rows), read only, in any KV-cache dtype; ``visible`` ``[B, L]`` bool;
     ``key_rope``: each key's ``cos``, ``sin`` ``[B, L, head_dim]``.
     """
     stacks, (own_k, own_v, own_lr), (pool_k, pool_v, pool_lr) = inp.stacks, own, pools
     B, L = inp.slots.shape
     dtype = qh.dtype
-    if inp.window:
-        k_win = pool_k[layer].to(dtype)  # [W, Hkv, D]: a view of the pool unless widened
-        s_win = torch.matmul(qh, k_win.permute(1, 2, 0).unsqueeze(0))  # [1, Hkv, G, W]
+    if inp.window:  # [W_r, Hkv, D] views of the pool (copies only when widened)
+        s_runs = [torch.matmul(qh, k[layer].to(dtype).permute(1, 2, 0).unsqueeze(0)) for k in pool_k]
         s_own = (qh * own_k.unsqueeze(2)).sum(-1, keepdim=True)  # [1, Hkv, G, 1]
-        scores = torch.cat([s_win, s_own], dim=-1)
+        scores = torch.cat([*s_runs, s_own], dim=-1)  # [1, Hkv, G, L]
     else:
         is_self = inp.is_self[:, :, None, None]
         keys = torch.where(is_self, own_k.unsqueeze(1), pool_k[layer][inp.slots].to(dtype))
@@ -62,7 +68,8 @@ def attend(
     if inp.lr_cols.shape[1] > 0:  # the row's LR part: rows Lk, Lv of its adapter's columns
         own_cols = torch.gather(as_stored(own_lr, pool_lr), 1, inp.lr_cols)[:, None, :]  # [B, 1, rk + rv]
         if inp.window:
-            lr = torch.cat([pool_lr[layer][:, inp.lr_cols[0]].to(dtype).unsqueeze(0), own_cols], dim=1)
+            runs = [lr_run[layer][:, inp.lr_cols[0]].to(dtype).unsqueeze(0) for lr_run in pool_lr]
+            lr = torch.cat([*runs, own_cols], dim=1)
         else:
             lr = pool_lr[layer][inp.slots].to(dtype)
             lr = torch.gather(lr, 2, inp.lr_cols[:, None, :].expand(B, L, -1))
@@ -77,10 +84,11 @@ def attend(
             scores = scores + torch.matmul(qh, delta.permute(0, 2, 3, 1))
     probs = _softmax(scores, visible).to(dtype)
     if inp.window:
-        W = L - 1
-        v_win = pool_v[layer].to(dtype)
-        out = torch.matmul(probs[..., :W], v_win.permute(1, 0, 2).unsqueeze(0))  # [1, Hkv, G, D]
-        out = out + probs[..., W:] * own_v.unsqueeze(2)
+        out, start = probs[..., -1:] * own_v.unsqueeze(2), 0  # [1, Hkv, G, D]
+        for v in pool_v:
+            end = start + v.shape[1]
+            out = out + torch.matmul(probs[..., start:end], v[layer].to(dtype).permute(1, 0, 2).unsqueeze(0))
+            start = end
     else:
         is_self = inp.is_self[:, :, None, None]
         values = torch.where(is_self, own_v.unsqueeze(1), pool_v[layer][inp.slots].to(dtype))

@@ -259,8 +259,8 @@ class DecodeGraph:
     @torch.no_grad()
     def __call__(self, inputs: DecodeStepInputs, pool_k, pool_v, pool_lr) -> DecodeStepOutputs:
         """Run one step; ``pool_k``/``pool_v`` ``[n_layers, rows, n_kv_heads, head_dim]`` and
-        ``pool_lr`` ``[n_layers, rows, C]`` (the pool's tensors, or views of one run of their rows
-        for window inputs) are read only (in the model's dtype or another ``kv_cache_dtype``,
+        ``pool_lr`` ``[n_layers, rows, C]`` (the pool's tensors, or for window inputs tuples of
+        views of each run of their rows) are read only (in the model's dtype or another ``kv_cache_dtype``,
         widened as they are read)."""
         if not self.compiled:
             return self._fn(inputs, pool_k, pool_v, pool_lr)
@@ -271,8 +271,8 @@ class DecodeGraph:
             per_row = (inputs.token_ids, inputs.positions, inputs.adapter, inputs.self_full, inputs.lr_cols)
             for t in (*per_row, inputs.lr_adapter, *per_key):
                 torch._dynamo.mark_dynamic(t, 0)
-        if inputs.window:  # the run of pool rows the window reads grows with the context
-            for t in (pool_k, pool_v, pool_lr):
+        if inputs.window:  # the runs of pool rows the window reads grow with the context
+            for t in (*pool_k, *pool_v, *pool_lr):
                 torch._dynamo.mark_dynamic(t, 1)
         for a, b in inputs.stacks.values():  # adapters loaded at run time add rows, not graphs
             torch._dynamo.mark_dynamic(a, 0)
@@ -281,9 +281,9 @@ class DecodeGraph:
         if variant in self._variants:
             with _configured():
                 return self._fn(inputs, pool_k, pool_v, pool_lr)
-        rows = (
-            ("1 row, one run of keys" if inputs.window else "1 row") if variant[0] == 1 else "2 rows or more"
-        )
+        rows = "2 rows or more" if variant[0] > 1 else "1 row"
+        if inputs.window:
+            rows += f", keys in {len(pool_k)} run{'s' if len(pool_k) > 1 else ''} of the pool"
         t0 = time.perf_counter()
         with (
             progress(1, f"compiling the decode step ({rows}; cached under {inductor_cache_dir()})"),
@@ -307,9 +307,10 @@ def _configured():
         yield
 
 
-def _variant(inputs: DecodeStepInputs, pool_lr: torch.Tensor) -> tuple:
+def _variant(inputs: DecodeStepInputs, pool_lr) -> tuple:
     """What makes dynamo trace a new graph: one row or more, the LoRA layout, the LR widths."""
     layout = tuple(sorted((p, tuple(a.shape[1:]), tuple(b.shape[1:])) for p, (a, b) in inputs.stacks.items()))
     lr_down = None if inputs.lr_down is None else tuple(inputs.lr_down.shape)
-    lr_width = tuple(pool_lr.shape[2:])
-    return (min(inputs.slots.shape[0], 2), inputs.window, layout, inputs.lr_cols.shape[1], lr_down, lr_width)
+    runs = len(pool_lr) if inputs.window else 0
+    lr_width = tuple((pool_lr[0] if inputs.window else pool_lr).shape[2:])
+    return (min(inputs.slots.shape[0], 2), runs, layout, inputs.lr_cols.shape[1], lr_down, lr_width)
