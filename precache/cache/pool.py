@@ -84,7 +84,7 @@ class KVPool:
         # on a CPU each tensor sits one unused layer into its storage (never touched, so never
         # resident): views of it then never start at offset 0 or 1, which the compiled decode step
         # would otherwise compile another graph for (precache.models.step_attention's window)
-        pad = 1 if torch.device(device).type == "cpu" else 0
+        pad = 1 if device is None or torch.device(device).type == "cpu" else 0
         self.k = torch.empty(pad + num_layers, n, num_kv_heads, head_dim, dtype=dtype, device=device)[pad:]
         self.v = torch.empty(pad + num_layers, n, num_kv_heads, head_dim, dtype=dtype, device=device)[pad:]
         self.lr = torch.empty(pad + num_layers, n, self.lr_width, dtype=dtype, device=device)[pad:]
