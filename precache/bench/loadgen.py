@@ -16,9 +16,18 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
+import httpx
 import openai
 
 from precache.bench.trace import Trace, token_stream
+
+
+#: the client's connection pool: idle keep-alive connections dropped after 2 s, well before the
+#: server closes them (uvicorn's ``timeout_keep_alive``, 5 s, equal to httpx's default expiry; with
+#: equal timeouts a request can go out on a connection the server is closing and fail as a
+#: connection error, as one of 128 requests of a `bench serve` run did, its cause then unrecorded);
+#: ``max_retries=0`` keeps every failure counted, and a failure's record names its cause
+CLIENT_LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=100, keepalive_expiry=2.0)
 
 
 @dataclass(frozen=True)
@@ -71,7 +80,8 @@ async def _one_request(client: openai.AsyncOpenAI, traj: _Trajectory) -> Request
                 out = list(chunk.choices[0].token_ids)
             usage = chunk.usage or usage
     except openai.APIError as exc:
-        error = f"{type(exc).__name__}: {exc}"
+        cause = f" ({type(exc.__cause__).__name__}: {exc.__cause__})" if exc.__cause__ else ""
+        error = f"{type(exc).__name__}: {exc}{cause}"
     latency = time.perf_counter() - t0
     record = RequestRecord(
         traj.index,
@@ -109,7 +119,13 @@ async def replay(
     for traj in trajs:
         idle.put_nowait(traj)
     rng, records = random.Random(seed), []
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+    client = openai.AsyncOpenAI(
+        base_url=base_url,
+        api_key="unused",
+        max_retries=0,
+        timeout=600,
+        http_client=openai.DefaultAsyncHttpxClient(limits=CLIENT_LIMITS, timeout=600),
+    )
 
     async def run(traj: _Trajectory) -> None:
         records.append(await _one_request(client, traj))
