@@ -21,7 +21,6 @@ import openai
 
 from precache.bench.trace import Trace, token_stream
 
-
 #: the client's connection pool: idle keep-alive connections dropped after 2 s, well before the
 #: server closes them (uvicorn's ``timeout_keep_alive``, 5 s, equal to httpx's default expiry; with
 #: equal timeouts a request can go out on a connection the server is closing and fail as a
