@@ -292,13 +292,15 @@ def test_every_model_command_takes_eager(capsys):
     assert model_options(parser.parse_args([]))["compile"] is None
 
 
-def test_compile_decode_step_compiles_one_row_and_a_batch_before_any_request(tiny):
+def test_compile_decode_step_compiles_every_layout_before_any_request(tiny):
     _, dirs, _ = tiny
     model, _ = tiny_model("llama", seed=0, num_layers=3)
     model.compile()
     engine = make_engine(model, dirs, "prelrshared")
     engine.compile_decode_step()
-    assert {v[0] for v in model.decode_graph._variants} == {1, 2}  # one row; any larger batch
+    # (rows, runs of the pool read in place): one row in one run, behind a cached block (a run of
+    # one row gathered, then two runs), any larger batch gathered
+    assert {v[:2] for v in model.decode_graph._variants} == {(1, 1), (1, 0), (1, 2), (2, 0)}
     assert engine.cache_usage()["allocated"] == 0  # the throwaway sessions left nothing behind
 
 

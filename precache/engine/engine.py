@@ -257,22 +257,31 @@ class Engine:
 
     def compile_decode_step(self) -> None:
         """Compile the model's captured decode step for this engine's method and adapters now, not in
-        the first requests' decode (a server calls it before it listens): one short decode of one
-        row and one of two rows, with the first adapter, on throwaway sessions. Seconds when the
-        graphs are in the disk cache, a minute or more each when cold (docs/performance.md, "Compiled decode").
-        Nothing happens when the model has no captured step (``compile=False``, not a CPU)."""
+        the first requests' decode (a server calls it before it listens), on throwaway sessions with
+        the first adapter: one row whose keys lie in one run of the pool; one behind a prompt block
+        cached by the first (its first step gathers a run of one row, the next reads two runs in
+        place); two rows. Seconds when the graphs are in the disk cache, minutes each when cold
+        (docs/performance.md, "Compiled decode"). Nothing happens when the model has no captured
+        step (``compile=False``, not a CPU)."""
         if getattr(self.model, "decode_graph", None) is None:
             return
         agent = next(iter(self.adapters), None)
-        for rows in (1, 2):
-            sessions = [self.session() for _ in range(rows)]
-            requests = []
-            for i, s in enumerate(sessions):
-                s.append([1 + i, 2 + i, 3 + i])
-                requests.append(s.submit(agent, max_new_tokens=3, temperature=0.0, ignore_eos=True))
-            self.wait_all(requests)
-            for s in sessions:
-                s.close()
+
+        def decode(prompts: list[list[int]]) -> list[Session]:
+            sessions = [self.session() for _ in prompts]
+            for s, prompt in zip(sessions, prompts, strict=True):
+                s.append(prompt)
+            self.wait_all(
+                [s.submit(agent, max_new_tokens=3, temperature=0.0, ignore_eos=True) for s in sessions]
+            )
+            return sessions
+
+        block = list(range(1, self.pool.block_size + 1))  # one full block, published by its turn
+        sessions = decode([block])  # kept open until the next has reused its block
+        sessions += decode([[*block, 1]])
+        sessions += decode([[1, 2, 3], [2, 3, 4]])
+        for s in sessions:
+            s.close()
 
     def submit(self, request: Request) -> Request:
         """Queue ``request`` (any thread; :meth:`Session.submit` builds and validates one); it joins

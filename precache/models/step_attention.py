@@ -6,9 +6,11 @@ the block pool, in the two layouts :class:`~precache.models.contract.DecodeStepI
 - **Window** (one row whose other keys fill at most :data:`MAX_RUNS` runs of contiguous pool
   rows, as a trajectory's blocks lie after a prefill and its appends, behind a cached prompt
   prefix): the pools arrive as views of each run ``[n_layers, W_r, ...]``, read in place by the
-  score and value products; the row's own key is the last. At 5,000 keys the gathered layout's
-  copy made attention about three times as slow as reading the runs in place
-  (benchmarks/RESULTS.md, "Compiled decode step").
+  score and value products; the row's own key is the last.
+
+In both, the scores are a sum inductor writes as one loop over the keys in pool order
+(:func:`_scores`), each key read once (a gathered one where it lies, never copied); the values are
+one product of every head's weights with the values as they lie (:func:`_diagonal`).
 
 Both compute the same maths (module docstring of step_graph; DESIGN.md "Notation"): scores
 ``q K^T / sqrt(D)`` over the visible keys, ``K = Kb + lr_on RoPE(s Lk B^k)``, softmax in fp32,
@@ -55,16 +57,10 @@ def attend(
     """
     stacks, (own_k, own_v, own_lr), (pool_k, pool_v, pool_lr) = inp.stacks, own, pools
     B, L = inp.slots.shape
+    Hkv, G, D = qh.shape[1], qh.shape[2], qh.shape[3]
     dtype = qh.dtype
-    if inp.window:  # [W_r, Hkv, D] views of the pool (copies only when widened)
-        s_runs = [torch.matmul(qh, k[layer].to(dtype).permute(1, 2, 0).unsqueeze(0)) for k in pool_k]
-        s_own = (qh * own_k.unsqueeze(2)).sum(-1, keepdim=True)  # [1, Hkv, G, 1]
-        scores = torch.cat([*s_runs, s_own], dim=-1)  # [1, Hkv, G, L]
-    else:
-        is_self = inp.is_self[:, :, None, None]
-        keys = torch.where(is_self, own_k.unsqueeze(1), pool_k[layer][inp.slots].to(dtype))
-        scores = torch.matmul(qh, keys.permute(0, 2, 3, 1))  # [B, Hkv, G, L]
-    lv = None
+    queries = qh[:, None]  # [B, 1, Hkv, G, D], against keys [B, L, Hkv, 1, D]
+    delta = lv = None
     if inp.lr_cols.shape[1] > 0:  # the row's LR part: rows Lk, Lv of its adapter's columns
         own_cols = torch.gather(as_stored(own_lr, pool_lr), 1, inp.lr_cols)[:, None, :]  # [B, 1, rk + rv]
         if inp.window:
@@ -77,28 +73,61 @@ def attend(
         lr = torch.where(inp.lr_on[:, :, None], lr, 0.0)  # rows of other stores hold no LR rows
         rank_k = inp.lr_cols.shape[1] // 2
         lk, lv = lr[..., :rank_k], lr[..., rank_k:]
-        if "k_proj" in stacks:
-            Hkv, D = qh.shape[1], qh.shape[3]
+        if "k_proj" in stacks:  # s RoPE(Lk B^k), [B, L, Hkv, D]
             delta = torch.bmm(lk, stacks["k_proj"][1][inp.lr_adapter, layer]).view(B, L, Hkv, D)
             delta = RotaryEmbedding.apply(delta, *key_rope)
-            scores = scores + torch.matmul(qh, delta.permute(0, 2, 3, 1))
-    probs = _softmax(scores, visible).to(dtype)
+    if inp.window:  # [W_r, Hkv, D] views of the pool, read in place (widened as read)
+        s_runs = [_scores(queries, k[layer].to(dtype).unsqueeze(0)) for k in pool_k]
+        scores = torch.cat([*s_runs, _scores(queries, own_k[:, None])], dim=1)  # [1, L, Hkv, G]
+        if delta is not None:
+            scores = scores + _scores(queries, delta)
+    else:  # the gathered keys are read inside the score loop (never copied), the values copied
+        keys = torch.where(
+            inp.is_self[:, :, None, None], own_k.unsqueeze(1), pool_k[layer][inp.slots].to(dtype)
+        )
+        scores = _scores(queries, keys if delta is None else keys + delta)  # [B, L, Hkv, G]
+    probs = _softmax(scores.permute(0, 2, 3, 1), visible).to(dtype)  # [B, Hkv, G, L]
+    flat = probs.reshape(B, Hkv * G, L)
     if inp.window:
-        out, start = probs[..., -1:] * own_v.unsqueeze(2), 0  # [1, Hkv, G, D]
+        out, start = None, 0
         for v in pool_v:
             end = start + v.shape[1]
-            out = out + torch.matmul(probs[..., start:end], v[layer].to(dtype).permute(1, 0, 2).unsqueeze(0))
+            part = torch.bmm(flat[..., start:end], v[layer].to(dtype).flatten(1).unsqueeze(0))
+            out = part if out is None else out + part
             start = end
+        out = _diagonal(out, Hkv, D) + probs[..., -1:] * own_v.unsqueeze(2)  # [1, Hkv, G, D]
     else:
-        is_self = inp.is_self[:, :, None, None]
-        values = torch.where(is_self, own_v.unsqueeze(1), pool_v[layer][inp.slots].to(dtype))
-        out = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [B, Hkv, G, D]: P Vb
+        values = torch.where(
+            inp.is_self[:, :, None, None], own_v.unsqueeze(1), pool_v[layer][inp.slots].to(dtype)
+        )
+        out = _diagonal(torch.bmm(flat, values.view(B, L, Hkv * D)), Hkv, D)  # [B, Hkv, G, D]: P Vb
     if lv is not None and "v_proj" in stacks:
-        Hkv, G, D = qh.shape[1], qh.shape[2], qh.shape[3]
-        plv = torch.matmul(probs.reshape(B, Hkv * G, L), lv)  # [B, Hq, rv]: P Lv
+        plv = torch.bmm(flat, lv)  # [B, Hq, rv]: P Lv
         bv = stacks["v_proj"][1][inp.lr_adapter, layer].view(B, -1, Hkv, D).permute(0, 2, 1, 3)
         out = out + torch.matmul(plv.view(B, Hkv, G, -1), bv)  # + s (P Lv) B^v
     return out
+
+
+def _scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``q . k`` for queries ``[B, 1, Hkv, G, D]`` and keys ``[B, L, Hkv, D]`` (as they lie in the
+    pool): ``[B, L, Hkv, G]``. Written as a product and a sum over ``D``, not a matrix product: inductor
+    makes one loop over the keys in pool order, each key read once (and a gather read in place),
+    where MKL's batched ``[G, D] x [D, L]`` per head took 3-4x as long on SmolLM2's 3 KV heads of 3
+    queries (benchmarks/RESULTS.md, "Compiled decode step"). In fp32 whatever the model's dtype (as
+    a matrix product accumulates; the scores go to the fp32 softmax): bf16 products rounded one by
+    one put a bf16 model's logits 0.2 from the eager forward's."""
+    return (keys[:, :, :, None, :].float() * queries.float()).sum(-1)
+
+
+def _diagonal(out: torch.Tensor, Hkv: int, D: int) -> torch.Tensor:
+    """``P V`` from ``[B, Hkv * G, Hkv * D]``, every head's weights against every head's values (one
+    batched product of the weights ``[B, Hkv * G, L]`` with the values as they lie in the pool,
+    ``[B, L, Hkv * D]``: each value read once, where the per-head product ran at about 0.7x the
+    speed), as the matching blocks ``[B, Hkv, G, D]``. Not a sum over the keys as :func:`_scores`:
+    inductor's C++ float sum switches kernels behind a guard on the length past 4,096 elements,
+    which would compile the step again once a context passed 4,096 keys."""
+    B = out.shape[0]
+    return torch.diagonal(out.view(B, Hkv, -1, Hkv, D), dim1=1, dim2=3).permute(0, 3, 1, 2)
 
 
 def _softmax(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
