@@ -16,13 +16,18 @@ def spread(values: list[float], fmt: str = "{:.2f}") -> str:
 
 
 def trace_rows(out: Path, name: str) -> list[str]:
+    """One row per side and method: the runs of every file of that side (``trace_{name}_{side}.json``
+    with all repeats, or one ``trace_{name}_{side}_{round}.json`` per interleaved round)."""
     rows = []
     for side in ("old", "new"):
-        if not (out / f"trace_{name}_{side}.json").exists():
-            continue
-        d = json.loads((out / f"trace_{name}_{side}.json").read_text())
-        for method, m in d["methods"].items():
-            runs = m["runs"]
+        files = sorted(out.glob(f"trace_{name}_{side}.json")) + sorted(
+            out.glob(f"trace_{name}_{side}_*.json")
+        )
+        methods: dict[str, list[dict]] = {}
+        for path in files:
+            for method, m in json.loads(path.read_text())["methods"].items():
+                methods.setdefault(method, []).extend(m["runs"])
+        for method, runs in methods.items():
             ttft = [r["ttft_s"] for r in runs]
             decode = [r["decode_tok_s"] for r in runs]
             rows.append(f"| {name} | {side} | {method} | {spread(ttft)} | {spread(decode, '{:.1f}')} |")
