@@ -123,7 +123,7 @@ async def replay(
         api_key="unused",
         max_retries=0,
         timeout=600,
-        http_client=openai.DefaultAsyncHttpxClient(limits=CLIENT_LIMITS, timeout=600),
+        http_client=openai.DefaultAsyncHttpxClient(limits=CLIENT_LIMITS),
     )
 
     async def run(traj: _Trajectory) -> None:
