@@ -9,8 +9,10 @@ the block pool, in the two layouts :class:`~precache.models.contract.DecodeStepI
   score and value products; the row's own key is the last.
 
 In both, the scores are a sum inductor writes as one loop over the keys in pool order
-(:func:`_scores`), each key read once (a gathered one where it lies, never copied); the values are
-one product of every head's weights with the values as they lie (:func:`_diagonal`).
+(:func:`_scores`), each key read once (a gathered one where it lies, never copied); the values are,
+in the window layout, one product of every head's weights with the values as they lie
+(:func:`_diagonal`), and in the gathered layout a product per head of the gathered copy (half the
+flat product's time there: benchmarks/RESULTS.md, "Compiled decode step").
 
 Both compute the same maths (module docstring of step_graph; DESIGN.md "Notation"): scores
 ``q K^T / sqrt(D)`` over the visible keys, ``K = Kb + lr_on RoPE(s Lk B^k)``, softmax in fp32,
@@ -100,7 +102,9 @@ def attend(
         values = torch.where(
             inp.is_self[:, :, None, None], own_v.unsqueeze(1), pool_v[layer][inp.slots].to(dtype)
         )
-        out = _diagonal(torch.bmm(flat, values.view(B, L, Hkv * D)), Hkv, D)  # [B, Hkv, G, D]: P Vb
+        # per head (the gathered copy is made anyway): 0.8 against the flat product's 1.7 ms a
+        # layer at 16 rows of 300 keys (the flat one computes every head against every head)
+        out = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [B, Hkv, G, D]: P Vb
     if lv is not None and "v_proj" in stacks:
         plv = torch.bmm(flat, lv)  # [B, Hq, rv]: P Lv
         bv = stacks["v_proj"][1][inp.lr_adapter, layer].view(B, -1, Hkv, D).permute(0, 2, 1, 3)
