@@ -7,6 +7,10 @@ compiles the graphs again, under its own options).
 
     python benchmarks/decode_batch_timing.py compiled 16
     python benchmarks/decode_batch_timing.py eager 16
+    python benchmarks/decode_batch_timing.py compiled 1 prof 4096   # profile at 4,096-token prompts
+
+The fourth argument, the prompt length in tokens (default 256), needs the third (``prof`` or
+``noprof``).
 """
 
 import os
@@ -29,13 +33,15 @@ if os.environ.get("KPROF"):
 def main() -> None:
     torch.set_num_threads(2)
     mode, batch = sys.argv[1], int(sys.argv[2])
+    prof = len(sys.argv) > 3 and sys.argv[3] == "prof"
+    prompt_len = int(sys.argv[4]) if len(sys.argv) > 4 else 256
     model = precache.load_model(compile=mode == "compiled")
     adapters = adapter_set("qv", ["action"])
     engine = precache.Engine(
         model, adapters={"action": adapters["action"]}, method=METHOD_REGISTRY.canonical("prelrshared")
     )
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, 10_000, (256,), generator=g).tolist() for _ in range(batch)]
+    prompts = [torch.randint(10, 10_000, (prompt_len,), generator=g).tolist() for _ in range(batch)]
     t0 = time.perf_counter()
     engine_decode(engine, "action", prompts[:2], 4)
     engine_decode(engine, "action", prompts[:1], 4)
@@ -44,7 +50,7 @@ def main() -> None:
         r = engine_decode(engine, "action", prompts, 32)
         step_ms = 1000 * r["seconds"] / (r["tokens"] / batch)
         print(f"{mode} {batch} rows: {r['tokens_per_s']:.1f} tokens/s, {step_ms:.1f} ms a step", flush=True)
-    if len(sys.argv) > 3 and sys.argv[3] == "prof":
+    if prof:
         from torch.profiler import profile
 
         def run():
@@ -52,7 +58,7 @@ def main() -> None:
                 engine_decode(engine, "action", prompts, 8)
             return prof
 
-        print(on_compute(run).key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+        print(on_compute(run).key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90))
 
 
 if __name__ == "__main__":

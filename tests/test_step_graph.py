@@ -326,6 +326,29 @@ def test_a_context_past_4096_keys_decodes_in_the_same_graph(tmp_path, monkeypatc
     assert oracle.steps == 2 and oracle.logits_err <= FP32_LOGITS and oracle.pool_err <= 1e-4
 
 
+def test_trajectories_elsewhere_in_the_pool_decode_in_the_graphs_compiled_at_start(tiny, monkeypatch):
+    """Once ``compile_decode_step`` compiled every layout, trajectories whose keys lie at other
+    places of the pool and other lengths trace no graph: with duck sizing on, a first
+    trajectory's window run starting at an offset equal to the pool's layer stride became a
+    guard, and the next trajectory recompiled the step (minutes on SmolLM2) while serving."""
+    from torch._dynamo.utils import counters
+
+    _, dirs, _ = tiny
+    model, _ = tiny_model("llama", seed=0, num_layers=3)
+    model.compile()
+    engine = make_engine(model, dirs, "prelrshared")
+    engine.compile_decode_step()
+    graphs = counters["stats"]["unique_graphs"]
+    oracle = Oracle(monkeypatch)
+    gen = torch.Generator().manual_seed(5)
+    for i, n in enumerate((7, 33, 18, 64, 3, 41)):
+        session = engine.session()
+        session.append(torch.randint(3, 90, (n,), generator=gen).tolist())
+        session.generate(agent=AGENTS[i % 2], max_new_tokens=3, temperature=0.0)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert oracle.steps >= 12 and oracle.logits_err <= FP32_LOGITS and oracle.pool_err <= 1e-4
+
+
 def test_fp32_products_split_over_the_threads_as_the_eager_forward(tiny, monkeypatch):
     """With two threads at compile time the graph's fp32 products run as one batched product over
     two slices of each weight (``split_product``, the eager ``linear``'s CPU path: MKL ran a

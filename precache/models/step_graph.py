@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 import torch._inductor.config as inductor_config
+import torch.fx.experimental._config as shapes_config
 import torch.nn.functional as F
 
 from precache.models.contract import DecodeStepInputs, DecodeStepOutputs
@@ -96,6 +97,11 @@ class _Weights(torch.nn.Module):
     def __init__(self, model):
         super().__init__()
         self.names: dict[tuple[int, str], str] = {}
+        #: each tensor's kind by name ("dense", "int8", "int4"; norms, biases and the embedding
+        #: "dense"), read by the step's branches: a dict lookup is one cheap guard for dynamo,
+        #: where ``hasattr`` on the module was a Python guard per name on every call (422 of
+        #: them: 1.3-1.5 ms of a 25 ms step spent before the graph ran)
+        self.kinds: dict[str, str] = {}
         #: fp32 products split over the threads as one batched product, as the eager forward's
         #: ``linear`` does: MKL runs a few-row product on one thread, which on an AMD EPYC made the
         #: compiled fp32 step 0.76x the eager one (benchmarks/RESULTS.md)
@@ -108,7 +114,8 @@ class _Weights(torch.nn.Module):
                 if t is not None:
                     self._add_weight(f"l{i}_{key}", t)
 
-    def _add(self, name: str, t: torch.Tensor) -> None:
+    def _add(self, name: str, t: torch.Tensor, kind: str = "dense") -> None:
+        self.kinds[name] = kind
         if t.is_floating_point():
             self.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
         else:
@@ -118,19 +125,22 @@ class _Weights(torch.nn.Module):
         if isinstance(t, Int8Weight):
             self._add(name + "_q", t.qweight)
             self._add(name + "_s", t.scales)
+            self.kinds[name] = "int8"
         elif isinstance(t, Int4Weight):
             self._add(name + "_q4", t.packed)
             self._add(name + "_sz", t.scales_and_zeros)
+            self.kinds[name] = "int4"
             self.int4_group = t.group_size
         else:
             self._add(name, t)
 
     def linear(self, x: torch.Tensor, name: str, bias: str | None = None) -> torch.Tensor:
         """``x W^T (+ b)`` of the weight ``name``, dense or int8 / int4 weight-only."""
-        if hasattr(self, name + "_q"):
+        kind = self.kinds[name]
+        if kind == "int8":
             q, s = getattr(self, name + "_q"), getattr(self, name + "_s")
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), q, s).to(x.dtype)
-        elif hasattr(self, name + "_q4"):
+        elif kind == "int4":
             q, sz = getattr(self, name + "_q4"), getattr(self, name + "_sz")
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), q, self.int4_group, sz)
             y = y.to(x.dtype)
@@ -140,7 +150,7 @@ class _Weights(torch.nn.Module):
                 y = split_product(x, weight, None, self.parts)
             else:
                 y = F.linear(x, weight)
-        if bias is not None and hasattr(self, bias):
+        if bias is not None and bias in self.kinds:
             y = y + getattr(self, bias)
         return y
 
@@ -189,9 +199,9 @@ class _Step(torch.nn.Module):
             k_full = _plus(k, _lora(h, stacks.get("k_proj"), i, idx)).view(B, Hkv, D)
             v_full = _plus(v, _lora(h, stacks.get("v_proj"), i, idx)).view(B, Hkv, D)
             k, v = k.view(B, Hkv, D), v.view(B, Hkv, D)
-            if hasattr(w, p + "q_norm"):
+            if p + "q_norm" in w.kinds:
                 q = rms_norm(q, getattr(w, p + "q_norm"), eps)
-            if hasattr(w, p + "k_norm"):
+            if p + "k_norm" in w.kinds:
                 k, k_full = (
                     rms_norm(k, getattr(w, p + "k_norm"), eps),
                     rms_norm(k_full, getattr(w, p + "k_norm"), eps),
@@ -305,9 +315,18 @@ def _configured():
     per thread and the step runs on the compute thread (precache.compute), where torch.compile's
     own options were not applied. Every graph of every model in the process counts against one
     frame's recompile limit (8 by default), past which dynamo would run the step eagerly without a
-    word: :data:`RECOMPILE_LIMIT`."""
+    word: :data:`RECOMPILE_LIMIT`.
+
+    Sizes that happen to be equal when a graph is traced are not taken for one symbol
+    (``use_duck_shape`` off): with it, a window run's storage offset equal to the pool's layer
+    stride in the first trajectory became a guard, and the next trajectory, whose run starts
+    elsewhere, compiled the step again (minutes cold) in the middle of serving."""
     limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    with inductor_config.patch(INDUCTOR_OPTIONS), torch._dynamo.config.patch(recompile_limit=limit):
+    with (
+        inductor_config.patch(INDUCTOR_OPTIONS),
+        torch._dynamo.config.patch(recompile_limit=limit),
+        shapes_config.patch(use_duck_shape=False),
+    ):
         yield
 
 
