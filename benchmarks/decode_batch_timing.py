@@ -58,7 +58,11 @@ def main() -> None:
                 engine_decode(engine, "action", prompts, 8)
             return prof
 
-        print(on_compute(run).key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90))
+        print(
+            on_compute(run)
+            .key_averages()
+            .table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90)
+        )
 
 
 if __name__ == "__main__":
