@@ -36,6 +36,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -302,7 +303,10 @@ class DecodeGraph:
         with (
             progress(1, f"compiling the decode step ({rows}; cached under {inductor_cache_dir()})"),
             _configured(),
+            warnings.catch_warnings(),
         ):
+            # torch's own deprecation notice from inside inductor's lowering, not the caller's
+            warnings.filterwarnings("ignore", message=r"`torch\._prims_common\.check` is deprecated")
             out = self._fn(inputs, pool_k, pool_v, pool_lr)
         self._variants.add(variant)
         logger.info("decode step for %s compiled in %.1f s", rows, time.perf_counter() - t0)
