@@ -21,8 +21,7 @@ ROWS = B * L + 500
 g = torch.Generator().manual_seed(0)
 pool_k = torch.randn(LAYERS + 1, ROWS, HKV, D, generator=g)
 pool_v = torch.randn(LAYERS + 1, ROWS, HKV, D, generator=g)
-perm = torch.randperm(ROWS - 1, generator=g)[: B * L].view(B, L)
-# realistic: each row's keys a contiguous run in blocks of 16
+# each row's keys one contiguous run of pool rows, as a trajectory's lie after its prefill
 slots = torch.stack([torch.arange(b * L, (b + 1) * L) for b in range(B)]) + 100
 is_self = torch.zeros(B, L, dtype=torch.bool)
 is_self[:, -1] = True

@@ -1,20 +1,17 @@
 """Decode speed of N trajectories in one engine, without the baselines of ``bench decode``: the
 compiled step (or ``eager``), PreLRShared with the ``qv`` adapters' ``action`` agent, N random
-256-token prompts, 32 greedy tokens each, three runs after a warm-up that compiles the one-row and
-the batch graphs (cold: minutes; cached on disk after). ``prof`` adds a torch profiler table of one
+256-token prompts (``--prompt-len``), 32 greedy tokens each, three runs after a warm-up that
+compiles the one-row and the batch graphs (cold: minutes; cached on disk after). ``prof`` adds a torch profiler table of one
 more run, taken on the compute thread (set ``KPROF=1`` to see inductor's kernels one by one: it
 compiles the graphs again, under its own options).
 
     python benchmarks/decode_batch_timing.py compiled 16
     python benchmarks/decode_batch_timing.py eager 16
-    python benchmarks/decode_batch_timing.py compiled 1 prof 4096   # profile at 4,096-token prompts
-
-The fourth argument, the prompt length in tokens (default 256), needs the third (``prof`` or
-``noprof``).
+    KPROF=1 python benchmarks/decode_batch_timing.py compiled 1 prof --prompt-len 4096
 """
 
+import argparse
 import os
-import sys
 import time
 
 import torch
@@ -31,10 +28,14 @@ if os.environ.get("KPROF"):
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=["compiled", "eager"])
+    parser.add_argument("batch", type=int, help="trajectories decoding together")
+    parser.add_argument("prof", nargs="?", choices=["prof"], help="add a profile of one more run")
+    parser.add_argument("--prompt-len", type=int, default=256, help="random prompt tokens")
+    args = parser.parse_args()
     torch.set_num_threads(2)
-    mode, batch = sys.argv[1], int(sys.argv[2])
-    prof = len(sys.argv) > 3 and sys.argv[3] == "prof"
-    prompt_len = int(sys.argv[4]) if len(sys.argv) > 4 else 256
+    mode, batch, prof, prompt_len = args.mode, args.batch, args.prof == "prof", args.prompt_len
     model = precache.load_model(compile=mode == "compiled")
     adapters = adapter_set("qv", ["action"])
     engine = precache.Engine(

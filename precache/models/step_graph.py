@@ -115,8 +115,8 @@ class _Weights(torch.nn.Module):
                 if t is not None:
                     self._add_weight(f"l{i}_{key}", t)
 
-    def _add(self, name: str, t: torch.Tensor, kind: str = "dense") -> None:
-        self.kinds[name] = kind
+    def _add(self, name: str, t: torch.Tensor) -> None:
+        self.kinds[name] = "dense"
         if t.is_floating_point():
             self.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
         else:
