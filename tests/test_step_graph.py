@@ -292,16 +292,19 @@ def test_every_model_command_takes_eager(capsys):
     assert model_options(parser.parse_args([]))["compile"] is None
 
 
-def test_compile_decode_step_compiles_every_layout_before_any_request(tiny):
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_compile_decode_step_compiles_every_layout_before_any_request(tiny, prefix_caching):
+    """Without prefix caching too (``bench trace`` runs so; there ReBaseOwnShared-LP's first
+    gathered step on paper_L1024 compiled inside a timed repeat, 3 minutes cold)."""
     _, dirs, _ = tiny
     model, _ = tiny_model("llama", seed=0, num_layers=3)
     model.compile()
-    engine = make_engine(model, dirs, "prelrshared")
+    engine = make_engine(model, dirs, "prelrshared", prefix_caching=prefix_caching)
     engine.compile_decode_step()
-    # (rows, runs of the pool read in place): one row in one run, behind a cached block (a run of
-    # one row gathered, then two runs), any larger batch gathered
-    assert {v[:2] for v in model.decode_graph._variants} == {(1, 1), (1, 0), (1, 2), (2, 0)}
-    assert engine.cache_usage()["allocated"] == 0  # the throwaway sessions left nothing behind
+    # (rows, runs of the pool read in place): one row in one run, in two runs, in three
+    # (gathered), any larger batch gathered
+    assert {v[:2] for v in model.decode_graph._variants} == {(1, 1), (1, 2), (1, 0), (2, 0)}
+    assert engine.cache_usage()["allocated"] == 0  # the throwaway sessions and spacers left nothing
 
 
 def test_a_context_past_4096_keys_decodes_in_the_same_graph(tmp_path, monkeypatch):

@@ -69,6 +69,9 @@ def _bench_trace(args: argparse.Namespace) -> int:
     for method in methods:
         # every repeat replays the same stream: no trajectory may reuse another's blocks
         engine = precache.Engine(model, adapters=adapters, method=method, prefix_caching=False)
+        # every layout of the step compiled before any replay: the warm-up's short turns do not
+        # reach them all (ReBaseOwnShared-LP's gathered step compiled inside a timed repeat)
+        engine.compile_decode_step()
         runners[method] = lambda tr, st, engine=engine: replay_engine(engine, tr, st)
     if METHOD_NAME in baselines:
         hf_model = hf_model_of(model).to(device=model.device, dtype=model.dtype)  # the engine's device

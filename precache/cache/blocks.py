@@ -119,6 +119,11 @@ class BlockAllocator:
         return block
 
     @_locked
+    def held_before_free(self) -> list[int]:
+        """Held blocks whose next id is free (where a table grows next)."""
+        return [b for b in range(self.num_blocks - 1) if self.ref[b] > 0 and b + 1 in self.free]
+
+    @_locked
     def hold(self, block: int) -> None:
         """One more holder of ``block`` (a fork, or a prefix-cache hit on a cached block)."""
         if self.ref[block] == 0:
