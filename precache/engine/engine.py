@@ -24,6 +24,7 @@ from precache.engine.rows import Batch
 from precache.engine.scheduler import Scheduler
 from precache.engine.session import Session
 from precache.engine.swap_space import SwapSpace
+from precache.engine.warmup import compile_layouts
 from precache.errors import AdapterBusyError, AdapterError, AdapterLimitError, UnknownAdapterError
 from precache.lora.adapter import LoRAAdapter, load_adapter
 from precache.methods import build_pool, make_method
@@ -258,49 +259,12 @@ class Engine:
     def compile_decode_step(self) -> None:
         """Compile the model's captured decode step for this engine's method and adapters now, not in
         the first requests' decode (a server calls it before it listens, ``bench trace`` before its
-        warm-up), on throwaway trajectories whose keys lie in one run of the pool, then two (read
-        in place), then three (gathered), one of the first adapter alone and one where the first
-        two take turns (a step of one reads the other's segments: ReBaseOwnShared's LR columns),
-        and on two rows at once. Between rounds the block after each held block is held, so a
-        trajectory's next block starts a new run whether or not prefix caching places one. Seconds when the graphs are in
-        the disk cache, minutes each when cold (docs/performance.md, "Compiled decode"). Nothing
-        happens when the model has no captured step (``compile=False``, not a CPU)."""
-        if getattr(self.model, "decode_graph", None) is None:
-            return
-        agents, alloc = list(self.adapters)[:2] or [None], self.pool.allocator
-        size, vocab = self.pool.block_size, self.model.config.vocab_size
-        spacers: list[int] = []
-
-        def decode(sessions: list[Session], appended: list[list[int]], agent: str | None) -> None:
-            for s, ids in zip(sessions, appended, strict=True):
-                s.append(ids)
-            self.wait_all(
-                [s.submit(agent, max_new_tokens=3, temperature=0.0, ignore_eos=True) for s in sessions]
-            )
-
-        # one trajectory of the first adapter alone, one where two adapters take turns (a step of
-        # one reads the other's segments: ReBaseOwnShared's LR columns); between rounds the block
-        # after every held one is held, so each trajectory's next block starts a new run
-        alone, shared = self.session(), self.session()
-        first, second = agents[0], agents[-1]
-        rounds = (
-            ((alone, first), (shared, first), (shared, second)),  # keys in one run of the pool
-            ((alone, first), (shared, first)),  # two runs, read in place
-            ((alone, first), (shared, second)),  # three runs, gathered
-        )
-        n = 0
-        for i, turns in enumerate(rounds):
-            if i:
-                spacers.extend(alloc.allocate(after=b) for b in alloc.held_before_free())
-            for session, agent in turns:
-                decode([session], [[1 + (n * size + j) % (vocab - 1) for j in range(size)]], agent)
-                n += 1
-        pair = [self.session(), self.session()]
-        decode(pair, [[1, 2, 3], [2, 3, 4]], first)
-        for s in (alone, shared, *pair):
-            s.close()
-        for block in spacers:
-            alloc.release(block)
+        warm-up): every layout, on throwaway trajectories (:func:`precache.engine.warmup.compile_layouts`).
+        Seconds when the graphs are in the disk cache, minutes each when cold (docs/performance.md,
+        "Compiled decode"). Nothing happens when the model has no captured step (``compile=False``,
+        not a CPU)."""
+        if getattr(self.model, "decode_graph", None) is not None:
+            compile_layouts(self)
 
     def submit(self, request: Request) -> Request:
         """Queue ``request`` (any thread; :meth:`Session.submit` builds and validates one); it joins
