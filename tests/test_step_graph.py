@@ -307,6 +307,21 @@ def test_compile_decode_step_compiles_every_layout_before_any_request(tiny, pref
     assert engine.cache_usage()["allocated"] == 0  # the throwaway sessions and spacers left nothing
 
 
+def test_compile_decode_step_covers_rebaseownshared_steps_with_and_without_lr_columns(tmp_path):
+    """ReBaseOwnShared reads LR columns only over another agent's segments (another graph): after
+    ``compile_decode_step`` a turn-taking trajectory of every agent traces no graph. The adapters
+    share one rank (a step's largest rank is part of its graph)."""
+    model, hf = tiny_model("llama", seed=0, num_layers=3)
+    dirs = {a: save_random_adapter(hf, tmp_path / a, r=4, seed=i + 1) for i, a in enumerate(AGENTS)}
+    model.compile()
+    engine = make_engine(model, dirs, "rebaseownshared-lp", prefix_caching=False)
+    engine.compile_decode_step()
+    compiled = set(model.decode_graph._variants)
+    assert {v[3] > 0 for v in compiled if v[0] == 1} == {True, False}  # LR columns read and not
+    run_script(engine)
+    assert set(model.decode_graph._variants) == compiled
+
+
 def test_a_context_past_4096_keys_decodes_in_the_same_graph(tmp_path, monkeypatch):
     """inductor's C++ code for a float sum over more than 4,096 elements is another kernel, chosen
     behind a guard on the key count: a softmax summed that way recompiled the step (1.5-3 minutes

@@ -33,22 +33,24 @@ def compile_layouts(engine: Engine) -> None:
         )
 
     alone, shared = engine.session(), engine.session()
+    pair = [engine.session(), engine.session()]
     first, second = agents[0], agents[-1]
     rounds = (
         ((alone, first), (shared, first), (shared, second)),  # keys in one run of the pool
         ((alone, first), (shared, first)),  # two runs, read in place
         ((alone, first), (shared, second)),  # three runs, gathered
     )
-    n = 0
-    for i, turns in enumerate(rounds):
-        if i:
-            spacers.extend(alloc.allocate(after=b) for b in alloc.held_before_free())
-        for session, agent in turns:  # each block's ids its own: no prefix is shared
-            decode([session], [[1 + (n * size + j) % (vocab - 1) for j in range(size)]], agent)
-            n += 1
-    pair = [engine.session(), engine.session()]
-    decode(pair, [[1, 2, 3], [2, 3, 4]], first)
-    for s in (alone, shared, *pair):
-        s.close()
-    for block in spacers:
-        alloc.release(block)
+    try:
+        n = 0
+        for i, turns in enumerate(rounds):
+            if i:
+                spacers.extend(alloc.allocate(after=b) for b in alloc.held_before_free())
+            for session, agent in turns:  # each block's ids its own: no prefix is shared
+                decode([session], [[1 + (n * size + j) % (vocab - 1) for j in range(size)]], agent)
+                n += 1
+        decode(pair, [[1, 2, 3], [2, 3, 4]], first)
+    finally:  # a failed compile leaves no session or spacer holding blocks
+        for s in (alone, shared, *pair):
+            s.close()
+        for block in spacers:
+            alloc.release(block)
