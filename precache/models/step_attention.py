@@ -10,9 +10,9 @@ the block pool, in the two layouts :class:`~precache.models.contract.DecodeStepI
 
 In both, the scores are a sum inductor writes as one loop over the keys in pool order
 (:func:`_scores`), each key read once (a gathered one where it lies, never copied); the values are,
-in the window layout, one product of every head's weights with the values as they lie
-(:func:`_diagonal`), and in the gathered layout a product per head of the gathered copy (half the
-flat product's time there: benchmarks/RESULTS.md, "Compiled decode step").
+in the window layout, a sum over chunks of the values as they lie (:func:`_weighted_values`), and
+in the gathered layout a product per head of the gathered copy (half the flat product's time
+there: benchmarks/RESULTS.md, "Compiled decode step").
 
 Both compute the same maths (module docstring of step_graph; DESIGN.md "Notation"): scores
 ``q K^T / sqrt(D)`` over the visible keys, ``K = Kb + lr_on RoPE(s Lk B^k)``, softmax in fp32,
@@ -91,13 +91,11 @@ def attend(
     probs = _softmax(scores.permute(0, 2, 3, 1), visible).to(dtype)  # [B, Hkv, G, L]
     flat = probs.reshape(B, Hkv * G, L)
     if inp.window:
-        out, start = None, 0
+        out, start = probs[..., -1:] * own_v.unsqueeze(2), 0  # [1, Hkv, G, D]
+        weights = probs[0]
         for v in pool_v:
-            end = start + v.shape[1]
-            part = torch.bmm(flat[..., start:end], v[layer].to(dtype).flatten(1).unsqueeze(0))
-            out = part if out is None else out + part
-            start = end
-        out = _diagonal(out, Hkv, D) + probs[..., -1:] * own_v.unsqueeze(2)  # [1, Hkv, G, D]
+            out = out + _weighted_values(weights, start, v[layer]).to(dtype)
+            start = start + v.shape[1]
     else:
         values = torch.where(
             inp.is_self[:, :, None, None], own_v.unsqueeze(1), pool_v[layer][inp.slots].to(dtype)
@@ -123,15 +121,35 @@ def _scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return (keys[:, :, :, None, :].float() * queries.float()).sum(-1)
 
 
-def _diagonal(out: torch.Tensor, Hkv: int, D: int) -> torch.Tensor:
-    """``P V`` from ``[B, Hkv * G, Hkv * D]``, every head's weights against every head's values (one
-    batched product of the weights ``[B, Hkv * G, L]`` with the values as they lie in the pool,
-    ``[B, L, Hkv * D]``: each value read once; 0.79 against the per-head product's 0.84 ms a layer
-    at 4,096 keys, benchmarks/decode_attention_products_micro.py), as the matching blocks ``[B, Hkv, G, D]``. Not a sum over the keys as :func:`_scores`:
-    inductor's C++ float sum switches kernels behind a guard on the length past 4,096 elements,
-    which would compile the step again once a context passed 4,096 keys."""
-    B = out.shape[0]
-    return torch.diagonal(out.view(B, Hkv, -1, Hkv, D), dim1=1, dim2=3).permute(0, 3, 1, 2)
+#: keys a partial sum of :func:`_weighted_values` covers: a chunk's values (48 KB of SmolLM2's fp32
+#: values) stay in the core's cache while every head and query of the chunk reads them
+VALUE_CHUNK = 64
+
+
+def _weighted_values(weights: torch.Tensor, start, values: torch.Tensor) -> torch.Tensor:
+    """``P V`` for one row over one run of the pool: ``weights`` ``[Hkv, G, L]`` (every key of the row),
+    of which keys ``start .. start + W`` are the run's values ``[W, Hkv, D]`` as they lie in the pool
+    (any KV-cache dtype, widened as read); ``[Hkv, G, D]`` in fp32.
+
+    A sum over the keys in chunks of :data:`VALUE_CHUNK` (each chunk's partial sums, then their sum),
+    not a matrix product: MKL's ``[G, W] x [W, D]`` walks the values panel by panel, reading them
+    at 5-8 GB/s from memory, while a chunk read once stays in cache for every head and query
+    (benchmarks/RESULTS.md, "Values in chunks"). The run is read through indices ``[chunks, c]``
+    (keys past ``W`` weighted 0 and read at ``W - 1``; one or two chunks more than the keys need,
+    as one chunk would be specialised with a guard ``W <= 64``), never reshaped: a view of a run of
+    symbolic length put guards on its remainder modulo the chunk, a recompile for each. The
+    chunk count is an expression of ``W``, so a growing context keeps one graph: inductor's guard on
+    a float sum's length (past 4,096 elements) falls on the chunk count, 4,096 chunks of 64 keys."""
+    W = values.shape[0]
+    chunks = W // VALUE_CHUNK + 2  # never 1: a size of 1 would be specialised (a guard W <= 64)
+    keys = torch.arange(chunks, device=values.device)[:, None] * VALUE_CHUNK
+    keys = keys + torch.arange(VALUE_CHUNK, device=values.device)  # [chunks, c]
+    inside = keys < W
+    keys = torch.clamp(keys, max=W - 1)
+    p = torch.where(inside, weights[:, :, keys + start].float(), 0.0)  # [Hkv, G, chunks, c]
+    v = values[keys].float()  # [chunks, c, Hkv, D]
+    part = (p.permute(2, 3, 0, 1)[..., None] * v[:, :, :, None, :]).sum(1)  # [chunks, Hkv, G, D]
+    return part.sum(0)
 
 
 def _softmax(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
