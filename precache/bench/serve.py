@@ -57,7 +57,8 @@ def run_serve_bench(
     model_name: str = "base",
     seed: int = 0,
 ) -> dict:
-    """Benchmark every method at every request rate (requests/s) on a fresh server each.
+    """Benchmark every method at every request rate (requests/s) on a fresh server each, the
+    method's decode graphs compiled before its first server starts (:meth:`Engine.compile_decode_step`).
 
     Returns ``{"trace", "sessions", "qps", "methods": {method: {qps: summary}}}`` with the
     summaries of :func:`~precache.bench.loadgen.summarize` (times in seconds).
@@ -75,6 +76,10 @@ def run_serve_bench(
     result: dict = {"trace": trace.name, "sessions": sessions, "qps": qps_levels, "methods": {}}
     for method in methods:
         engine = precache.Engine(model, adapters=adapters, method=method)
+        # as `precache serve` does before it listens: without it each fresh server compiled (or
+        # loaded from the disk cache, 15-25 s each) its decode graphs under the load, which set the
+        # TTFT p90 (17-20 s against 1-2 s; benchmarks/RESULTS.md)
+        engine.compile_decode_step()
         result["methods"][engine.method_name] = {
             str(qps): _run_level(engine, trace, sessions, qps, model_name, seed + 1000 * i)
             for i, qps in enumerate(qps_levels)
