@@ -18,12 +18,14 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from precache.cache.attention import BatchMetadata, RowAttention, TritonBackend, get_backend
+from precache.cache.attention.triton_metadata import refusal
 from precache.cache.pool import KVPool, LRView, PagedStore
 from precache.cache.rowplan import View
 from precache.cache.views import view_reads
@@ -131,6 +133,37 @@ def _random_batch(model, seed: int, dtype=torch.float32):
             start += T
     q = torch.randn(start, c.num_heads, c.head_dim, generator=g).to(dtype)
     return q, BatchMetadata(tuple(rows), start), pool
+
+
+def test_k_lr_on_wide_tiles_refused_on_cuda_only():
+    """Tiles of more than 16 query slots that add the k-side LR term faulted on an H200
+    (benchmarks/RESULTS.md, "GPU"): on CUDA such a forward runs the torch reference; decode rows,
+    q/v adapters and the CPU keep the kernel."""
+    model = _model(16, 3)
+    c, g = model.config, torch.Generator().manual_seed(0)
+    adapters = {
+        "all": _adapter("all", model, 4, ["q_proj", "k_proj", "v_proj"], g),
+        "qv": _adapter("qv", model, 4, ["q_proj", "v_proj"], g),
+    }
+    ranks = {"all": (4, 4), "qv": (0, 4)}
+    probe = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, ranks, 1 << 30, 4)
+    pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, ranks, 32 * probe.block_bytes, 4)
+
+    def meta(agent: str, n_q: int) -> BatchMetadata:
+        store = PagedStore(pool)
+        for _ in range(pool.blocks_for(40)):
+            store.blocks.append(pool.allocator.allocate())
+        store.commit(40)
+        view = View(store, 0, 40, LRView(store, agent, 40), adapters[agent])
+        return BatchMetadata(
+            (RowAttention(slice(0, n_q), 40 - n_q, tuple(view_reads(model, view, split_runs=False))),), n_q
+        )
+
+    on_cuda = SimpleNamespace(config=c, dtype=model.dtype, device="cuda")
+    assert "k-side LR term" in refusal(meta("all", 8), on_cuda)  # 24 query slots: a 64-slot tile
+    assert refusal(meta("all", 5), on_cuda) is None  # 15 slots: one 16-slot tile, as a decode row
+    assert refusal(meta("qv", 8), on_cuda) is None  # no k_proj LoRA
+    assert refusal(meta("all", 8), model) is None  # the CPU interpreter runs it
 
 
 # (head_dim, GQA group, seed): every rank appears at each shape; head_dim 128 with Llama-3's group of 4

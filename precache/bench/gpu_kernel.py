@@ -150,7 +150,8 @@ def _case(model, kind: str, n_q: int, n: int, batch: int, rank: int, repeats: in
 
 def kernel_vs_sdpa(model, dry_run: bool, rank: int = 8) -> dict:
     """Every case for every LR kind: ``{"cases": [...], "target_ratio", "met"}``; ``met`` is True
-    when every ``kv`` and ``v`` case runs within ``TARGET_RATIO`` of SDPA."""
+    when every ``kv`` and ``v`` case runs within ``TARGET_RATIO`` of SDPA and the kernel refused
+    none (a refused case times the torch reference, listed in its ``refused``)."""
     prefill = DRY_PREFILL_CASES if dry_run else PREFILL_CASES
     decode = DRY_DECODE_CASES if dry_run else DECODE_CASES
     repeats = 1 if dry_run else 10
@@ -161,4 +162,6 @@ def kernel_vs_sdpa(model, dry_run: bool, rank: int = 8) -> dict:
         for batch, context in decode:
             cases.append({"kind": "decode", **_case(model, kind, 1, context, batch, rank, repeats, i)})
     with_lr = [c["ratio"] for c in cases if c["lr"] != "base"]
-    return {"cases": cases, "target_ratio": TARGET_RATIO, "met": max(with_lr) <= TARGET_RATIO}
+    # a case the kernel refused timed the torch reference: the kernel's target is not met there
+    met = max(with_lr) <= TARGET_RATIO and not any(c["refused"] for c in cases)
+    return {"cases": cases, "target_ratio": TARGET_RATIO, "met": met}

@@ -34,7 +34,10 @@ def _kernel_md(kernel: dict) -> list[str]:
             f"| {c['kind']} | {c['lr']} | {c['queries']:,} | {c['keys']:,} | {c['batch']} | "
             f"{c['kernel_s'] * 1e3:.3f} | {c['sdpa_s'] * 1e3:.3f} | {c['ratio']:.2f} | "
             f"{c['max_abs_error_vs_torch_backend']:.2e} |"
+            + (" torch reference: " + "; ".join(c["refused"]) if c.get("refused") else "")
         )
+    if any(c.get("refused") for c in kernel["cases"]):
+        lines += ["", "A row marked 'torch reference' was refused by the kernel and timed the reference."]
     return [*lines, ""]
 
 

@@ -15,13 +15,31 @@ import functools
 import importlib
 import json
 import weakref
+from typing import TYPE_CHECKING
 
-import llguidance
-import llguidance.hf
 import torch
 
 from precache.config import StructuredOutput
 from precache.errors import StructuredOutputError
+
+if TYPE_CHECKING:
+    import llguidance
+
+
+@functools.cache
+def _ll():
+    """llguidance (with ``llguidance.hf``), imported when a constraint is first compiled: engines
+    that never constrain a turn run without it (the GPU machine's image has no llguidance).
+
+    Raises:
+        ImportError: llguidance is not installed (a dependency of precache: ``pip install llguidance``).
+    """
+    try:
+        module = importlib.import_module("llguidance")
+        importlib.import_module("llguidance.hf")
+    except ImportError as exc:
+        raise ImportError(f"structured output needs llguidance ({exc}): pip install llguidance") from exc
+    return module
 
 
 def _ll_torch():
@@ -44,7 +62,7 @@ def _ll_tokenizer(tokenizer, vocab_size: int, eos_ids: tuple[int, ...]) -> llgui
     key = (vocab_size, eos_ids)
     if key not in built:
         try:
-            built[key] = llguidance.hf.from_tokenizer(
+            built[key] = _ll().hf.from_tokenizer(
                 tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids) or None
             )
         except (ValueError, TypeError, AttributeError) as exc:
@@ -64,15 +82,15 @@ def grammar_of(spec: StructuredOutput) -> str:
     """
     try:
         if spec.kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(json.loads(spec.spec), defaults=JSON_LAYOUT)
+            return _ll().LLMatcher.grammar_from_json_schema(json.loads(spec.spec), defaults=JSON_LAYOUT)
         if spec.kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
+            return _ll().LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
         if spec.kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(spec.spec)
+            return _ll().LLMatcher.grammar_from_regex(spec.spec)
         if spec.kind == "choice":
             alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(spec.spec))
-            return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
-        return llguidance.LLMatcher.grammar_from_lark(spec.spec)
+            return _ll().LLMatcher.grammar_from_lark(f"start: {alternatives}")
+        return _ll().LLMatcher.grammar_from_lark(spec.spec)
     except (ValueError, TypeError) as exc:
         raise StructuredOutputError(f"structured_output {spec.kind}: {exc}") from exc
 
@@ -91,7 +109,7 @@ class GrammarMatcher:
             raise StructuredOutputError("structured_output needs a model with a tokenizer")
         grammar = grammar_of(spec)
         ll_tokenizer = _ll_tokenizer(tokenizer, vocab_size, tuple(sorted(eos_ids)))
-        self.matcher = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
+        self.matcher = _ll().LLMatcher(ll_tokenizer, grammar, log_level=0)
         if self.matcher.is_error():
             raise StructuredOutputError(f"structured_output {spec.kind}: {self.matcher.get_error()}")
         self.bitmask = _ll_torch().allocate_token_bitmask(1, vocab_size)
@@ -122,7 +140,7 @@ class GrammarMatcher:
 
 @functools.lru_cache(maxsize=256)
 def _grammar_error(spec: StructuredOutput) -> str:
-    return llguidance.LLMatcher.validate_grammar(grammar_of(spec))
+    return _ll().LLMatcher.validate_grammar(grammar_of(spec))
 
 
 def validate_structured_output(spec: StructuredOutput) -> None:

@@ -11,7 +11,9 @@ adapters' stacked ``B``) is built once per forward by :meth:`TritonBackend.prepa
 Sliding windows (``RowAttention.window``) are masked in the kernel, per layer. What it refuses,
 falling back to the torch reference for the whole forward (logged once at INFO): a row whose reads
 carry two different adapters or LR column sets, reads from several pools, rows with different
-sliding windows, and a model dtype (that of the queries) that differs from the pool's.
+sliding windows, a model dtype (that of the queries) that differs from the pool's, and, on CUDA,
+a k-side LR term on tiles of more than 16 query slots (prefill with a k_proj LoRA), which faulted
+on an H200 (:data:`~precache.cache.attention.triton_metadata.K_LR_MAX_CUDA_SLOTS`).
 
 Chosen by default when the model is on CUDA and triton is installed (:func:`default_backend`).
 """

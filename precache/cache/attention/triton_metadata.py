@@ -54,11 +54,28 @@ def pow2_at_least_16(n: int) -> int:
     return max(16, 1 << max(0, n - 1).bit_length())
 
 
+#: Query slots per tile above which the kernel's k-side LR term is refused on CUDA. On an H200
+#: (torch 2.11, Triton 3.6, 2026-12-04) every tile of more than 16 slots that adds ``RoPE(s Lk B^k)``
+#: faulted ("out-of-range shared or local address" at the key load, compute-sanitizer) or, when it
+#: ran, scored 0.06-0.09 away from the torch reference in bf16 (0.002 without it); 16-slot tiles
+#: (decode rows) matched. benchmarks/RESULTS.md, "GPU".
+K_LR_MAX_CUDA_SLOTS = 16
+
+
+def block_m_for(max_slots: int, device: torch.device) -> int:
+    """Query slots per tile for a forward whose largest row has ``max_slots`` (queries x GQA group)."""
+    return 16 if max_slots <= 16 else 128 if device.type == "cuda" and max_slots >= 1024 else 64
+
+
 def refusal(meta: BatchMetadata, model) -> str | None:
     """Why the kernel cannot run this forward (None: it can). One pass over the reads."""
     pool = meta.rows[0].reads[0].pool
     if pool.k.dtype != model.dtype:
         return f"queries are {model.dtype} but the pool holds {pool.k.dtype}"
+    device = torch.device(model.device)
+    group = model.config.num_heads // model.config.num_kv_heads
+    max_slots = max((row.q_rows.stop - row.q_rows.start) * group for row in meta.rows)
+    wide_cuda_tiles = device.type == "cuda" and block_m_for(max_slots, device) > K_LR_MAX_CUDA_SLOTS
     window = meta.rows[0].window
     for row in meta.rows:
         if row.window != window:
@@ -69,6 +86,11 @@ def refusal(meta: BatchMetadata, model) -> str | None:
                 return "the rows read several pools"
             if read.lr_cols is None:
                 continue
+            if wide_cuda_tiles and read.adapter is not None and "k_proj" in read.adapter.targets:
+                return (
+                    f"the k-side LR term on tiles of more than {K_LR_MAX_CUDA_SLOTS} query slots faults "
+                    "on CUDA (Triton 3.6, H200)"
+                )
             if first is None:
                 first = read
             elif read.adapter is not first.adapter or read.lr_cols != first.lr_cols:
@@ -197,7 +219,7 @@ def build(meta: BatchMetadata, model, block_n: int, num_splits: int | None) -> T
     c, device = model.config, torch.device(model.device)
     group = c.num_heads // c.num_kv_heads
     max_slots = max((row.q_rows.stop - row.q_rows.start) * group for row in meta.rows)
-    block_m = 16 if max_slots <= 16 else 128 if device.type == "cuda" and max_slots >= 1024 else 64
+    block_m = block_m_for(max_slots, device)
     tables = _Tables(group, block_m)
     for i, row in enumerate(meta.rows):
         tables.add_row(i, row)
