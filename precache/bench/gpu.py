@@ -238,7 +238,10 @@ def _guarded(result: dict, where: dict, name: str, fn, out: Path, t_start: float
 
 def run(out: Path, dry_run: bool, device: str, budget_s: float) -> dict:
     """All three parts; writes ``gpu.json``, ``gpu.md`` and ``gpu.png`` under ``out`` after each.
-    A part that raises is recorded as ``{"error": ...}`` and the next one runs."""
+    A part that raises is recorded as ``{"error": ...}`` and the next one runs. They run in the
+    order trace (q/v adapters), load, trace (all-projection adapters, if at least 30% of the budget
+    is left), kernel: the kernel part runs whatever the budget, last, so that a fault in it leaves
+    the others' figures."""
     t_start = time.perf_counter()
 
     def seconds_left() -> float:
@@ -259,8 +262,6 @@ def run(out: Path, dry_run: bool, device: str, budget_s: float) -> dict:
         "trace": {},
         "load": {"skipped": "not run yet"},
     }
-    _guarded(result, result, "kernel", lambda: kernel_vs_sdpa(model, dry_run), out, t_start)
-    logger.info("kernel part done after %.0f s", budget_s - seconds_left())
     sets = {
         "qv": ("q_proj", "v_proj"),
         "all": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
@@ -269,15 +270,21 @@ def run(out: Path, dry_run: bool, device: str, budget_s: float) -> dict:
         name: save_adapters(model, out / "adapters" / name, t, seed=i)
         for i, (name, t) in enumerate(sets.items())
     }
-    for name in sets:
-        if name != "qv" and (dry_run or seconds_left() < 0.5 * budget_s):
-            result["trace"][name] = {"skipped": "dry run" if dry_run else "time budget"}
-            continue
-        run_trace = lambda name=name: trace_part(model, hf, adapters[name], trace)  # noqa: E731
-        _guarded(result, result["trace"], name, run_trace, out, t_start)
+    # the kernel's own cases last: a fault there poisons the CUDA context for every later part
+    # (the first H200 run lost the trace and load parts so), and the parts before it are on disk
+    _guarded(
+        result, result["trace"], "qv", lambda: trace_part(model, hf, adapters["qv"], trace), out, t_start
+    )
     levels = (2, 3) if dry_run else (32, 128)
     run_load = lambda: load_part(model, adapters["qv"], levels, load_trace_, seconds_left)  # noqa: E731
     _guarded(result, result, "load", run_load, out, t_start)
+    if dry_run or seconds_left() < 0.3 * budget_s:
+        result["trace"]["all"] = {"skipped": "dry run" if dry_run else "time budget"}
+    else:
+        run_all = lambda: trace_part(model, hf, adapters["all"], trace)  # noqa: E731
+        _guarded(result, result["trace"], "all", run_all, out, t_start)
+    logger.info("trace and load parts done after %.0f s", budget_s - seconds_left())
+    _guarded(result, result, "kernel", lambda: kernel_vs_sdpa(model, dry_run), out, t_start)
     return result
 
 
