@@ -76,7 +76,11 @@ def main() -> int:
     unknown = sorted(set(args.cases) - set(CASES))
     if unknown:
         parser.error(f"unknown case(s) {unknown}; cases: {', '.join(CASES)}")
-    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1" if args.blocking else "0")
+    import torch
+
+    if not torch.cuda.is_available():
+        parser.error("the kernel's cases run on a CUDA GPU; none is visible to torch here")
+    env = dict(os.environ, **({"CUDA_LAUNCH_BLOCKING": "1"} if args.blocking else {}))
     extra = [f"--{k}={v}" for k, v in (("stages", args.stages), ("splits", args.splits)) if v is not None]
     extra += ["--unrefused"] if args.unrefused else []
     for name in args.cases or CASES:

@@ -62,8 +62,12 @@ def pow2_at_least_16(n: int) -> int:
 K_LR_MAX_CUDA_SLOTS = 16
 
 
-def block_m_for(max_slots: int, device: torch.device) -> int:
-    """Query slots per tile for a forward whose largest row has ``max_slots`` (queries x GQA group)."""
+def block_m_for(meta: BatchMetadata, model) -> int:
+    """Query slots per tile of this forward, from its largest row (queries x GQA group)."""
+    c, device = model.config, torch.device(model.device)
+    max_slots = max(
+        (row.q_rows.stop - row.q_rows.start) * (c.num_heads // c.num_kv_heads) for row in meta.rows
+    )
     return 16 if max_slots <= 16 else 128 if device.type == "cuda" and max_slots >= 1024 else 64
 
 
@@ -72,10 +76,8 @@ def refusal(meta: BatchMetadata, model) -> str | None:
     pool = meta.rows[0].reads[0].pool
     if pool.k.dtype != model.dtype:
         return f"queries are {model.dtype} but the pool holds {pool.k.dtype}"
-    device = torch.device(model.device)
-    group = model.config.num_heads // model.config.num_kv_heads
-    max_slots = max((row.q_rows.stop - row.q_rows.start) * group for row in meta.rows)
-    wide_cuda_tiles = device.type == "cuda" and block_m_for(max_slots, device) > K_LR_MAX_CUDA_SLOTS
+    on_cuda = torch.device(model.device).type == "cuda"
+    wide_cuda_tiles = on_cuda and block_m_for(meta, model) > K_LR_MAX_CUDA_SLOTS
     window = meta.rows[0].window
     for row in meta.rows:
         if row.window != window:
@@ -218,8 +220,7 @@ def build(meta: BatchMetadata, model, block_n: int, num_splits: int | None) -> T
     ``num_splits``: as :class:`~precache.cache.attention.triton_backend.TritonBackend` takes it)."""
     c, device = model.config, torch.device(model.device)
     group = c.num_heads // c.num_kv_heads
-    max_slots = max((row.q_rows.stop - row.q_rows.start) * group for row in meta.rows)
-    block_m = block_m_for(max_slots, device)
+    block_m = block_m_for(meta, model)
     tables = _Tables(group, block_m)
     for i, row in enumerate(meta.rows):
         tables.add_row(i, row)
