@@ -108,8 +108,11 @@ def test_unload_refuses_unknown_and_busy_adapters_and_the_name_is_gone_after(run
     assert r.status_code == 400 and "--max-loras" in r.json()["error"]["message"]
     assert r.json()["error"]["code"] == "no_adapter_slot"
     # hold the server loop so that a request of "act" is queued when the unload arrives
-    loop, gate = server.app.state.loop, threading.Event()
-    loop.call(lambda pool: gate.wait(30))
+    loop, entered, gate = server.app.state.loop, threading.Event(), threading.Event()
+    loop.call(lambda pool: (entered.set(), gate.wait(30)))
+    # the loop thread has taken the hold out of its inbox: from here the inbox counts only the two
+    # requests below (without this wait, the hold itself could pass for the completion)
+    assert entered.wait(30)
     with ThreadPoolExecutor(2) as pool:
         answer = pool.submit(completion, server, "act", [5, 6, 7], max_tokens=3)
         deadline = time.monotonic() + 30
