@@ -12,8 +12,11 @@ import pytest
 import torch
 
 import precache.cache.plan as plan_module
+from precache.cache.pool import KVPool
+from precache.cache.step_inputs import _padded
 from precache.errors import ModelLoadError
 from precache.methods import METHODS
+from precache.models.step_attention import VALUE_PAD
 from precache.models.step_graph import DecodeGraph
 from tests.tiny import AGENTS, make_engine, run_script, save_random_adapter, tiny_hf_model, tiny_model
 
@@ -64,11 +67,13 @@ class Oracle:
             )
             got_rows = got[: len(batch)].float()
             scale = ref.float().abs().max().item()
-            self.logits_err = max(self.logits_err, (got_rows - ref.float()).abs().max().item() / scale)
+            err = (got_rows - ref.float()).abs().nan_to_num(float("inf")).max().item()  # NaN: no match
+            self.logits_err = max(self.logits_err, err / scale)
             for a, t in zip(after, (pool.k, pool.v, pool.lr), strict=True):
                 if a.numel():  # relative to the entry where it is large, absolute where it is small
-                    err = ((a.float() - t.float()).abs() / (1 + t.float().abs())).max().item()
-                    self.pool_err = max(self.pool_err, err)
+                    err = ((a.float() - t.float()).abs() / (1 + t.float().abs())).nan_to_num(float("inf"))
+                    err = torch.where((a == t) | (a.isnan() & t.isnan()), 0.0, err)  # as never written
+                    self.pool_err = max(self.pool_err, err.max().item())
                 t.copy_(a)
             self.steps += 1
             self.batch_sizes.add(len(batch))
@@ -365,6 +370,40 @@ def test_trajectories_elsewhere_in_the_pool_decode_in_the_graphs_compiled_at_sta
         session.generate(agent=AGENTS[i % 2], max_new_tokens=3, temperature=0.0)
     assert counters["stats"]["unique_graphs"] == graphs
     assert oracle.steps >= 12 and oracle.logits_err <= FP32_LOGITS and oracle.pool_err <= 1e-4
+
+
+def test_the_rows_read_past_a_run_of_values_are_zeroed_whatever_they_hold(tiny, graph_model, monkeypatch):
+    """The window layout reads :data:`VALUE_PAD` rows past each run of values (then zeroes them):
+    with every row of the pool's value storage that no step wrote holding NaN (the rows after the
+    trajectory's blocks and the spare rows past the last layer), the graph's logits and writes stay
+    the eager forward's and the greedy turns those of an eager engine."""
+    _, dirs, _ = tiny
+    engine = make_engine(graph_model, dirs, "prelrshared")
+    v = engine.pool.v
+    storage = torch.empty(0, dtype=v.dtype).set_(v.untyped_storage())
+    assert storage.numel() >= (v.storage_offset() + v.numel() + VALUE_PAD * v.shape[2] * v.shape[3])
+    storage.fill_(float("nan"))
+    oracle = Oracle(monkeypatch)
+    _, turns = run_script(engine)
+    monkeypatch.undo()
+    _, want = run_script(make_engine(tiny[0], dirs, "prelrshared"))
+    assert [t.token_ids for t in turns] == [t.token_ids for t in want]
+    assert any(runs for _, runs in oracle.layouts)  # the window layout ran
+    assert oracle.steps >= 10 and oracle.logits_err <= FP32_LOGITS and oracle.pool_err <= 1e-4
+
+
+def test_a_run_of_values_ending_at_the_pools_last_row_reads_its_spare_rows():
+    """``_padded`` views a run and the :data:`VALUE_PAD` rows after it; for a run ending at the last
+    row of the last layer those are the pool's spare rows (a view past its storage would raise)."""
+    pool = KVPool(
+        num_layers=2, num_kv_heads=3, head_dim=8, lr_ranks={}, kv_cache_bytes=4 * 16 * 2 * 2 * 24 * 4
+    )
+    pool.v.copy_(torch.randn(pool.v.shape))
+    n = pool.v.shape[1]
+    padded = _padded(pool.v, slice(n - 5, n))
+    assert padded.shape == (2, 5 + VALUE_PAD, 3, 8)
+    assert torch.equal(padded[:, :5], pool.v[:, n - 5 :])
+    assert torch.equal(padded[0, 5 : 5 + n], pool.v[1])  # the next layer's rows
 
 
 def test_fp32_products_split_over_the_threads_as_the_eager_forward(tiny, monkeypatch):

@@ -24,6 +24,7 @@ import torch
 
 from precache.cache.blocks import BlockAllocator
 from precache.errors import CacheCapacityError
+from precache.models.step_attention import VALUE_PAD
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -86,7 +87,11 @@ class KVPool:
         # would otherwise compile another graph for (precache.models.step_attention's window)
         pad = 1 if device is None or torch.device(device).type == "cpu" else 0
         self.k = torch.empty(pad + num_layers, n, num_kv_heads, head_dim, dtype=dtype, device=device)[pad:]
-        self.v = torch.empty(pad + num_layers, n, num_kv_heads, head_dim, dtype=dtype, device=device)[pad:]
+        # past the last layer, VALUE_PAD rows never handed out: the compiled decode step reads
+        # that far past a run of values (and zeroes what it read; precache.models.step_attention)
+        rows = (pad + num_layers) * n
+        flat = torch.empty((rows + VALUE_PAD) * self.kv_width, dtype=dtype, device=device)
+        self.v = flat[: rows * self.kv_width].view(pad + num_layers, n, num_kv_heads, head_dim)[pad:]
         self.lr = torch.empty(pad + num_layers, n, self.lr_width, dtype=dtype, device=device)[pad:]
         self.allocator = BlockAllocator(num_blocks)
         self._lr_widths = {a: rk + rv for a, (rk, rv) in lr_ranks.items()}

@@ -22,7 +22,7 @@ from precache.cache.rowplan import BaseWrite, FullWrite, LRWrite, RowPlan
 from precache.lora.adapter import LoRAAdapter
 from precache.lora.targets import PROJECTIONS
 from precache.models.contract import DecodeStepInputs, DecodeStepOutputs
-from precache.models.step_attention import MAX_RUNS
+from precache.models.step_attention import MAX_RUNS, VALUE_PAD
 
 #: adapters a pool's stacks hold before they are rebuilt from one step's adapters only
 MAX_STACKED = 16
@@ -293,7 +293,15 @@ def _tensors(model, pool, rows, stacks: _Stacks, writers, base_w, full_w, lr_w):
     writes = StepWrites(*pairs(base_w), *pairs(full_w), tuple(lr_passes))
     if window is None:
         return inputs, writes, (pool.k, pool.v, pool.lr)
-    return inputs, writes, tuple(tuple(t[:, run] for run in runs) for t in (pool.k, pool.v, pool.lr))
+    k_runs, lr_runs = (tuple(t[:, run] for run in runs) for t in (pool.k, pool.lr))
+    return inputs, writes, (k_runs, tuple(_padded(pool.v, run) for run in runs), lr_runs)
+
+
+def _padded(t: torch.Tensor, run: slice) -> torch.Tensor:
+    """The pool rows ``run`` of ``t`` and :data:`VALUE_PAD` rows past them (the next rows of the
+    layer, or past the last layer the pool's spare rows: :class:`KVPool`), read at weight 0."""
+    size = (t.shape[0], run.stop - run.start + VALUE_PAD, *t.shape[2:])
+    return t.as_strided(size, t.stride(), t.storage_offset() + run.start * t.stride(1))
 
 
 def write_step(pool: KVPool, out: DecodeStepOutputs, writes: StepWrites) -> None:

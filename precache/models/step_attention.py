@@ -54,8 +54,12 @@ def attend(
     ``own``: the row's own key and value ``[B, n_kv_heads, head_dim]`` (after RoPE, rounded as the
     pool will hold them) and its LR row ``[B, C]`` (None without LR writes); ``pools``: the pool's
     K, V ``[n_layers, rows, n_kv_heads, head_dim]`` and LR ``[n_layers, rows, C]`` (in the window
-    layout, tuples of views of each run's rows), read only, in any KV-cache dtype; ``visible`` ``[B, L]`` bool;
-    ``key_rope``: each key's ``cos``, ``sin`` ``[B, L, head_dim]``.
+    layout, tuples of views of each run's rows, the values' runs :data:`VALUE_PAD` rows longer),
+    read only, in any KV-cache dtype; ``visible`` ``[B, L]`` bool; ``key_rope``: each key's ``cos``,
+    ``sin`` ``[B, L, head_dim]``.
+
+    The softmax is taken apart (:func:`_exp_scores`): the values are weighted by the unnormalised
+    ``exp`` and the output divided by the sum once, in fp32.
     """
     stacks, (own_k, own_v, own_lr), (pool_k, pool_v, pool_lr) = inp.stacks, own, pools
     B, L = inp.slots.shape
@@ -88,26 +92,24 @@ def attend(
             inp.is_self[:, :, None, None], own_k.unsqueeze(1), pool_k[layer][inp.slots].to(dtype)
         )
         scores = _scores(queries, keys if delta is None else keys + delta)  # [B, L, Hkv, G]
-    probs = _softmax(scores.permute(0, 2, 3, 1), visible).to(dtype)  # [B, Hkv, G, L]
-    flat = probs.reshape(B, Hkv * G, L)
+    weights, total = _exp_scores(scores, visible)  # [B, L, Hkv, G], [B, Hkv, G, 1]
     if inp.window:
-        out, start = probs[..., -1:] * own_v.unsqueeze(2), 0  # [1, Hkv, G, D]
-        weights = probs[0]
-        for v in pool_v:
-            out = out + _weighted_values(weights, start, v[layer]).to(dtype)
-            start = start + v.shape[1]
+        out, start = weights[:, -1, :, :, None] * own_v.float().unsqueeze(2), 0  # [1, Hkv, G, D]
+        for k, v in zip(pool_k, pool_v, strict=True):
+            out = out + _weighted_values(weights[0], start, k.shape[1], v[layer])
+            start = start + k.shape[1]
     else:
         values = torch.where(
             inp.is_self[:, :, None, None], own_v.unsqueeze(1), pool_v[layer][inp.slots].to(dtype)
         )
         # per head (the gathered copy is made anyway): 0.8 against the flat product's 1.7 ms a
         # layer at 16 rows of 300 keys (the flat one computes every head against every head)
-        out = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [B, Hkv, G, D]: P Vb
+        out = torch.matmul(weights.permute(0, 2, 3, 1).to(dtype), values.permute(0, 2, 1, 3)).float()
     if lv is not None and "v_proj" in stacks:
-        plv = torch.bmm(flat, lv)  # [B, Hq, rv]: P Lv
+        plv = torch.bmm(weights.view(B, L, Hkv * G).transpose(1, 2).to(dtype), lv)  # [B, Hq, rv]: P Lv
         bv = stacks["v_proj"][1][inp.lr_adapter, layer].view(B, -1, Hkv, D).permute(0, 2, 1, 3)
-        out = out + torch.matmul(plv.view(B, Hkv, G, -1), bv)  # + s (P Lv) B^v
-    return out
+        out = out + torch.matmul(plv.view(B, Hkv, G, -1), bv).float()  # + s (P Lv) B^v
+    return (out / total).to(dtype)
 
 
 def _scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -121,42 +123,57 @@ def _scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return (keys[:, :, :, None, :].float() * queries.float()).sum(-1)
 
 
-#: keys a partial sum of :func:`_weighted_values` covers: a chunk's values (48 KB of SmolLM2's fp32
-#: values) stay in the core's cache while every head and query of the chunk reads them
+#: keys a partial sum covers, in :func:`_exp_scores` and :func:`_weighted_values`: a chunk's values
+#: (48 KB of SmolLM2's fp32 values) stay in the core's cache while every head and query reads them
 VALUE_CHUNK = 64
 
+#: rows a window row's value runs reach past their last key (read, then zeroed): ``pool_v``'s runs
+#: arrive this much longer than ``pool_k``'s, the pool keeping as many spare rows past its end
+#: (:class:`precache.cache.pool.KVPool`)
+VALUE_PAD = 2 * VALUE_CHUNK
 
-def _weighted_values(weights: torch.Tensor, start, values: torch.Tensor) -> torch.Tensor:
-    """``P V`` for one row over one run of the pool: ``weights`` ``[Hkv, G, L]`` (every key of the row),
-    of which keys ``start .. start + W`` are the run's values ``[W, Hkv, D]`` as they lie in the pool
+
+def _exp_scores(scores: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax's numerator and denominator, apart: for ``scores`` ``[B, L, Hkv, G]``,
+    ``exp(s - max_l s)`` ``[B, L, Hkv, G]`` in fp32 (keys not ``visible`` ``[B, L]`` give 0) and its
+    sum over the keys ``[B, Hkv, G, 1]``; the caller divides the weighted values by the sum once
+    (``D`` divisions a query, not ``L``).
+
+    Kept in the keys-first layout the scores come in: permuted to keys-last, inductor wrote the
+    ``exp`` over the keys as a scalar loop (one ``std::exp`` per key, head and query) and redid the
+    division in the value loop (benchmarks/RESULTS.md, "Compiled decode step"). The sum is taken in
+    chunks of :data:`VALUE_CHUNK` keys: inductor's C++ code for one float sum over more than 4,096
+    elements is chosen behind a guard on the length, a recompile once a context passed 4,096 keys;
+    here the guard falls on the chunk count (4,096 chunks, 262,144 keys)."""
+    scores = scores.float().masked_fill(~visible[:, :, None, None], float("-inf"))
+    weights = torch.exp(scores - scores.amax(dim=1, keepdim=True))
+    B, L, Hkv, G = weights.shape
+    chunks = L // VALUE_CHUNK + 2  # never 1: a size of 1 would be specialised (a guard L <= 64)
+    padded = torch.nn.functional.pad(weights, (0, 0, 0, 0, 0, chunks * VALUE_CHUNK - L))
+    total = padded.view(B, chunks, VALUE_CHUNK, Hkv, G).sum(2).sum(1)
+    return weights, total[..., None]
+
+
+def _weighted_values(weights: torch.Tensor, start, W, values: torch.Tensor) -> torch.Tensor:
+    """``P V`` for one row over one run of the pool, unnormalised: ``weights`` ``[L, Hkv, G]`` (every
+    key of the row, fp32), of which keys ``start .. start + W`` are the run's; ``values``
+    ``[W + VALUE_PAD, Hkv, D]``, the run's values as they lie in the pool and the rows after them
     (any KV-cache dtype, widened as read); ``[Hkv, G, D]`` in fp32.
 
     A sum over the keys in chunks of :data:`VALUE_CHUNK` (each chunk's partial sums, then their sum),
     not a matrix product: MKL's ``[G, W] x [W, D]`` walks the values panel by panel, reading them
     at 5-8 GB/s from memory, while a chunk read once stays in cache for every head and query
-    (benchmarks/RESULTS.md, "Values in chunks"). The run is read through indices ``[chunks, c]``
-    (keys past ``W`` weighted 0 and read at ``W - 1``; one or two chunks more than the keys need,
-    as one chunk would be specialised with a guard ``W <= 64``), never reshaped: a view of a run of
-    symbolic length put guards on its remainder modulo the chunk, a recompile for each. The
-    chunk count is an expression of ``W``, so a growing context keeps one graph: inductor's guard on
-    a float sum's length (past 4,096 elements) falls on the chunk count, 4,096 chunks of 64 keys."""
-    W = values.shape[0]
-    chunks = W // VALUE_CHUNK + 2  # never 1: a size of 1 would be specialised (a guard W <= 64)
-    keys = torch.arange(chunks, device=values.device)[:, None] * VALUE_CHUNK
-    keys = keys + torch.arange(VALUE_CHUNK, device=values.device)  # [chunks, c]
-    inside = keys < W
-    keys = torch.clamp(keys, max=W - 1)
-    p = torch.where(inside, weights[:, :, keys + start].float(), 0.0)  # [Hkv, G, chunks, c]
-    v = values[keys].float()  # [chunks, c, Hkv, D]
-    part = (p.permute(2, 3, 0, 1)[..., None] * v[:, :, :, None, :]).sum(1)  # [chunks, Hkv, G, D]
+    (benchmarks/RESULTS.md, "Values in chunks"). The values are read as a view of whole chunks,
+    one or two more than the keys need (one chunk would be specialised with a guard ``W <= 64``);
+    the rows past ``W`` (the next keys of the layer, or the pool's spare rows, never written) are
+    replaced by 0 with ``where`` (which passes no NaN from them) and weighted 0. The chunk count is
+    an expression of ``W``, so a growing context keeps one graph."""
+    chunks = W // VALUE_CHUNK + 2
+    n = chunks * VALUE_CHUNK
+    Hkv, G, D = weights.shape[1], weights.shape[2], values.shape[-1]
+    inside = torch.arange(n, device=values.device) < W
+    v = torch.where(inside[:, None, None], values[:n].float(), 0.0).view(chunks, VALUE_CHUNK, Hkv, D)
+    p = torch.nn.functional.pad(weights[start : start + W], (0, 0, 0, 0, 0, n - W))
+    p = p.view(chunks, VALUE_CHUNK, Hkv, G)
+    part = (p[..., None] * v[:, :, :, None, :]).sum(1)  # [chunks, Hkv, G, D]
     return part.sum(0)
-
-
-def _softmax(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dimension in fp32, masked keys 0."""
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf")).float()
-    weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
-    # the denominator as a product with ones, not a sum: inductor's C++ code for a float sum over
-    # more than 4,096 elements differs and is chosen behind a guard on the key count, which
-    # recompiled the step once a context passed 4,096 keys
-    return weights / torch.matmul(weights, weights.new_ones(scores.shape[-1], 1))

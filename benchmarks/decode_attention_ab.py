@@ -1,0 +1,103 @@
+"""The compiled decode step's attention from this checkout against a git revision's, paired in one
+process: ms a decode step of one engine (SmolLM2, fp32, the qv adapters), one session per context,
+each round running both attentions on the same session (order ABBA over the rounds).
+
+Processes on a 2-core machine drift by 20-30% from one to the next, more than most changes to
+the attention are worth; within one process the two sides share the same weights, pool and
+caches. The revision's ``precache/models/step_attention.py`` is loaded from git as a module and
+swapped in for the step's ``attend`` (each side compiles its own graph once, minutes cold); it must
+take the same arguments (it reads the value runs this checkout's pool hands it).
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/decode_attention_ab.py --against 1cd33c7 \\
+        --contexts 4000,1000,250 --rounds 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import precache
+import precache.models.step_graph as step_graph
+
+REPO = Path(__file__).resolve().parents[1]
+ADAPTERS = REPO / "precache" / "assets" / "adapters" / "smollm2-135m" / "qv"
+
+
+def attention_at(rev: str):
+    """``attend`` of ``precache/models/step_attention.py`` as it stood at ``rev``."""
+    source = subprocess.run(
+        ["git", "-C", str(REPO), "show", f"{rev}:precache/models/step_attention.py"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    spec = importlib.util.spec_from_loader(f"step_attention_{rev}", loader=None)
+    module = importlib.util.module_from_spec(spec)
+    exec(compile(source, f"step_attention@{rev}", "exec"), module.__dict__)
+    return module.attend
+
+
+def ms_per_step(session, tokens: int) -> float:
+    session.append([11, 12])
+    turn = session.generate("plan", max_new_tokens=tokens + 1, ignore_eos=True)
+    return 1000 * turn.decode_s / (len(turn.token_ids) - 1)
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.1f} / {statistics.median(values):.1f} / {max(values):.1f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--against", required=True, help="git revision of the other attention")
+    parser.add_argument("--contexts", default="4000,1000,250", help="tokens in each session")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=32, help="decode steps a side a round")
+    parser.add_argument("--method", default="prelrshared")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    sides = {"new": step_graph.attend, "old": attention_at(args.against)}
+    model = precache.load_model()
+    adapters = {a: ADAPTERS / a for a in ("plan", "action", "reflect")}
+    engine = precache.Engine(model, adapters=adapters, method=args.method)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    sessions = {}
+    gen = torch.Generator().manual_seed(0)
+    for n in contexts:
+        sessions[n] = engine.session()
+        sessions[n].append(torch.randint(10, 10000, (n,), generator=gen).tolist())
+        for side in sides.values():  # compile each side (and warm it) before any round
+            step_graph.attend = side
+            ms_per_step(sessions[n], 4)
+    times = {(n, s): [] for n in contexts for s in sides}
+    for r in range(args.rounds):
+        order = ["new", "old"] if r % 2 == 0 else ["old", "new"]
+        for n in contexts:
+            for s in order:
+                step_graph.attend = sides[s]
+                times[n, s].append(ms_per_step(sessions[n], args.tokens))
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+    step_graph.attend = sides["new"]
+    print(f"against {args.against}, {args.method}, {args.rounds} rounds of {args.tokens} steps, ms a step\n")
+    print("| context (tokens) | old | new | paired new / old | new faster |")
+    print("|---|---|---|---|---|")
+    for n in contexts:
+        ratios = [a / b for a, b in zip(times[n, "new"], times[n, "old"], strict=True)]
+        faster = sum(r < 1 for r in ratios)
+        print(
+            f"| {n:,} | {spread(times[n, 'old'])} | {spread(times[n, 'new'])} | "
+            f"{min(ratios):.2f} / {statistics.median(ratios):.2f} / {max(ratios):.2f} | {faster}/{len(ratios)} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
