@@ -6,7 +6,8 @@ Processes on a 2-core machine drift by 20-30% from one to the next, more than mo
 the attention are worth; within one process the two sides share the same weights, pool and
 caches. The revision's ``precache/models/step_attention.py`` is loaded from git as a module and
 swapped in for the step's ``attend`` (each side compiles its own graph once, minutes cold); it must
-take the same arguments (it reads the value runs this checkout's pool hands it).
+take the same arguments. Its value runs reach as many rows past their keys as its ``VALUE_PAD``
+says (none when it has none, as before the pool kept spare rows).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/decode_attention_ab.py --against 1cd33c7 \\
         --contexts 4000,1000,250 --rounds 8
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 import precache
+import precache.cache.step_inputs as step_inputs
 import precache.models.step_graph as step_graph
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,7 +33,8 @@ ADAPTERS = REPO / "precache" / "assets" / "adapters" / "smollm2-135m" / "qv"
 
 
 def attention_at(rev: str):
-    """``attend`` of ``precache/models/step_attention.py`` as it stood at ``rev``."""
+    """``attend`` of ``precache/models/step_attention.py`` as it stood at ``rev``, and its
+    ``VALUE_PAD`` (0 where it had none)."""
     source = subprocess.run(
         ["git", "-C", str(REPO), "show", f"{rev}:precache/models/step_attention.py"],
         check=True,
@@ -40,8 +43,9 @@ def attention_at(rev: str):
     ).stdout
     spec = importlib.util.spec_from_loader(f"step_attention_{rev}", loader=None)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dynamo looks a traced function's module up by name
     exec(compile(source, f"step_attention@{rev}", "exec"), module.__dict__)
-    return module.attend
+    return module.attend, getattr(module, "VALUE_PAD", 0)
 
 
 def ms_per_step(session, tokens: int) -> float:
@@ -64,7 +68,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    sides = {"new": step_graph.attend, "old": attention_at(args.against)}
+    sides = {"new": (step_graph.attend, step_inputs.VALUE_PAD), "old": attention_at(args.against)}
     model = precache.load_model()
     adapters = {a: ADAPTERS / a for a in ("plan", "action", "reflect")}
     engine = precache.Engine(model, adapters=adapters, method=args.method)
@@ -75,17 +79,17 @@ def main() -> int:
         sessions[n] = engine.session()
         sessions[n].append(torch.randint(10, 10000, (n,), generator=gen).tolist())
         for side in sides.values():  # compile each side (and warm it) before any round
-            step_graph.attend = side
+            step_graph.attend, step_inputs.VALUE_PAD = side
             ms_per_step(sessions[n], 4)
     times = {(n, s): [] for n in contexts for s in sides}
     for r in range(args.rounds):
         order = ["new", "old"] if r % 2 == 0 else ["old", "new"]
         for n in contexts:
             for s in order:
-                step_graph.attend = sides[s]
+                step_graph.attend, step_inputs.VALUE_PAD = sides[s]
                 times[n, s].append(ms_per_step(sessions[n], args.tokens))
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
-    step_graph.attend = sides["new"]
+    step_graph.attend, step_inputs.VALUE_PAD = sides["new"]
     print(f"against {args.against}, {args.method}, {args.rounds} rounds of {args.tokens} steps, ms a step\n")
     print("| context (tokens) | old | new | paired new / old | new faster |")
     print("|---|---|---|---|---|")
