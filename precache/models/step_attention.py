@@ -133,6 +133,22 @@ VALUE_CHUNK = 64
 VALUE_PAD = 2 * VALUE_CHUNK
 
 
+def _chunk_count(L) -> int:
+    """Chunks of :data:`VALUE_CHUNK` keys a sum over ``L`` keys covers: one or two more than the
+    keys fill, never 1 (a size of 1 would be specialised, a guard ``L <= 64``); an expression of
+    ``L``, so a growing context keeps one graph."""
+    return L // VALUE_CHUNK + 2
+
+
+def _in_chunks(t: torch.Tensor, dim: int, L) -> torch.Tensor:
+    """``t``, ``L`` keys long along ``dim``, padded with zeros to :func:`_chunk_count` whole chunks
+    and viewed with ``dim`` as ``[chunks, VALUE_CHUNK]``."""
+    chunks = _chunk_count(L)
+    pad = [0, 0] * (t.dim() - 1 - dim) + [0, chunks * VALUE_CHUNK - L]
+    t = torch.nn.functional.pad(t, pad)
+    return t.view(*t.shape[:dim], chunks, VALUE_CHUNK, *t.shape[dim + 1 :])
+
+
 def _exp_scores(scores: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The softmax's numerator and denominator, apart: for ``scores`` ``[B, L, Hkv, G]``,
     ``exp(s - max_l s)`` ``[B, L, Hkv, G]`` in fp32 (keys not ``visible`` ``[B, L]`` give 0) and its
@@ -147,10 +163,7 @@ def _exp_scores(scores: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tens
     here the guard falls on the chunk count (4,096 chunks, 262,144 keys)."""
     scores = scores.float().masked_fill(~visible[:, :, None, None], float("-inf"))
     weights = torch.exp(scores - scores.amax(dim=1, keepdim=True))
-    B, L, Hkv, G = weights.shape
-    chunks = L // VALUE_CHUNK + 2  # never 1: a size of 1 would be specialised (a guard L <= 64)
-    padded = torch.nn.functional.pad(weights, (0, 0, 0, 0, 0, chunks * VALUE_CHUNK - L))
-    total = padded.view(B, chunks, VALUE_CHUNK, Hkv, G).sum(2).sum(1)
+    total = _in_chunks(weights, 1, weights.shape[1]).sum(2).sum(1)
     return weights, total[..., None]
 
 
@@ -166,14 +179,12 @@ def _weighted_values(weights: torch.Tensor, start, W, values: torch.Tensor) -> t
     (benchmarks/RESULTS.md, "Values in chunks"). The values are read as a view of whole chunks,
     one or two more than the keys need (one chunk would be specialised with a guard ``W <= 64``);
     the rows past ``W`` (the next keys of the layer, or the pool's spare rows, never written) are
-    replaced by 0 with ``where`` (which passes no NaN from them) and weighted 0. The chunk count is
-    an expression of ``W``, so a growing context keeps one graph."""
-    chunks = W // VALUE_CHUNK + 2
+    replaced by 0 with ``where`` (which passes no NaN from them) and weighted 0."""
+    chunks = _chunk_count(W)
     n = chunks * VALUE_CHUNK
-    Hkv, G, D = weights.shape[1], weights.shape[2], values.shape[-1]
+    Hkv, D = weights.shape[1], values.shape[-1]
     inside = torch.arange(n, device=values.device) < W
     v = torch.where(inside[:, None, None], values[:n].float(), 0.0).view(chunks, VALUE_CHUNK, Hkv, D)
-    p = torch.nn.functional.pad(weights[start : start + W], (0, 0, 0, 0, 0, n - W))
-    p = p.view(chunks, VALUE_CHUNK, Hkv, G)
+    p = _in_chunks(weights[start : start + W], 0, W)
     part = (p[..., None] * v[:, :, :, None, :]).sum(1)  # [chunks, Hkv, G, D]
     return part.sum(0)
