@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 import precache
 from precache.errors import AdapterError
-from precache.server.codec import Codec
+from precache.server.prompts import Codec
 from tests.test_server_support import BASE, live, tiny_engine
 
 LIMIT = 64 * 1024  # the body limit these servers run with (bytes)

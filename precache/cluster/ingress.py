@@ -32,11 +32,10 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from precache.cluster.metrics import INGRESS, IngressMetrics, merge_metrics
 from precache.cluster.replica import REPLICA_HEADER, ForwardedRequest, ResponseStart
 from precache.cluster.routing import block_hashes
-from precache.server.codec import Codec
 from precache.server.config import DEFAULT_MAX_REQUEST_BYTES
 from precache.server.errors import APIError, error_body
 from precache.server.guard import Admission
-from precache.server.prompts import chat_prompt, completion_prompts
+from precache.server.prompts import Codec, chat_prompt, completion_prompts
 from precache.server.protocol import ChatRequest, CompletionRequest
 from precache.server.responses import sse
 from precache.server.tenants import Tenants
@@ -53,7 +52,7 @@ api = FastAPI(title="precache cluster")
 
 
 class _TokenizerOnly:
-    """What :class:`~precache.server.codec.Codec` reads from an engine to encode: its tokenizer and
+    """What :class:`~precache.server.prompts.Codec` reads from an engine to encode: its tokenizer and
     context length (tokens)."""
 
     def __init__(self, tokenizer, max_context: int):
@@ -61,7 +60,7 @@ class _TokenizerOnly:
 
 
 def routing_codec(tokenizer, max_context: int, trust_special: bool = False) -> Codec:
-    """The server's :class:`~precache.server.codec.Codec` over ``tokenizer`` alone (``max_context``
+    """The server's :class:`~precache.server.prompts.Codec` over ``tokenizer`` alone (``max_context``
     in tokens; ``trust_special`` as the servers' ``trust_client_special_tokens``)."""
     stub = _TokenizerOnly(tokenizer, max_context)
     return Codec(stub, trust_special) if trust_special else Codec(stub)

@@ -145,8 +145,9 @@ class SharingMethod(MethodMachinery, ABC):
         token prefix, by key (default: none)."""
         return {}
 
-    def reuse_key(self, agent: str | None) -> str | None:
-        """Which of :meth:`prefix_stores` ``agent``'s turn may take published blocks into (None: none)."""
+    def reuse_key(self, state: CacheState, agent: str | None) -> str | None:
+        """Which of :meth:`prefix_stores` ``agent``'s turn may take published blocks into (None, or
+        a key ``prefix_stores(state)`` does not hold now: none)."""
         return None
 
     def fork_extra(self, state: CacheState, length: int) -> dict:

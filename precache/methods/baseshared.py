@@ -21,7 +21,7 @@ class BaseShared(SplitKVMethod):
     def prefix_stores(self, state: CacheState):
         return {}
 
-    def reuse_key(self, agent: str | None) -> str | None:
+    def reuse_key(self, state: CacheState, agent: str | None) -> str | None:
         return None
 
     def add_agent_cache(self, state: CacheState, agent: str) -> None:

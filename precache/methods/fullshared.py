@@ -26,7 +26,7 @@ class FullShared(SharingMethod):
     def prefix_stores(self, state: CacheState):
         return {"shared": state.full["shared"]}
 
-    def reuse_key(self, agent: str | None) -> str | None:
+    def reuse_key(self, state: CacheState, agent: str | None) -> str | None:
         return "shared"
 
     def cached_length(self, state: CacheState) -> int:

@@ -177,11 +177,9 @@ class MethodMachinery:
         lr = {a: LRView(base, a, min(v.length, length)) for a, v in state.lr.items()}
         full = {a: s.fork(length) for a, s in state.full.items()}
         turn = state.turn.fork(length) if state.turn is not None else None
-        bs = self.pool.block_size
+        bs, stores = self.pool.block_size, self.prefix_stores(state)
         prefix = {
-            k: c.fork(min(length, self._store(state, k).length), bs)
-            for k, c in state.prefix.items()
-            if k in self.prefix_stores(state)
+            k: c.fork(min(length, stores[k].length), bs) for k, c in state.prefix.items() if k in stores
         }
         return type(state)(
             base=base,
@@ -198,11 +196,6 @@ class MethodMachinery:
         )
 
     # -- cross-trajectory prefix reuse ---------------------------------------------------------
-    def _store(self, state: CacheState, key: str) -> PagedStore:
-        """The store a ``prefix_stores`` key names (a method whose keys carry more than the store's
-        name maps them back here)."""
-        return self.prefix_stores(state)[key]
-
     def publish_prefix(self, state: CacheState, trajectory: list[int]) -> None:
         """Register the full committed blocks of ``prefix_stores`` for reuse by other trajectories."""
         if not self.prefix_caching:
@@ -217,10 +210,17 @@ class MethodMachinery:
         What a reused block holds is what the method's cache definition puts there, whoever wrote
         it; the tokens it covers then count as earlier segments of this turn's agent (under
         ReBaseShared its view of them is base + LR, not its own exact K/V)."""
-        key = self.reuse_key(agent)
-        if key is not None and self.prefix_caching and state.turn_start is None:
-            store = self._store(state, key)
+        key = self.reuse_key(state, agent)
+        store = (
+            self.prefix_stores(state).get(key) if self.prefix_caching and state.turn_start is None else None
+        )
+        if store is not None:
+            before = store.length
             attach(store, state.prefix.setdefault(key, PrefixChain(key, salt=state.salt)), token_ids)
+            if store.length > before:  # a published base block holds the LR rows of every agent
+                for view in state.lr.values():
+                    if view.store is store:
+                        view.commit(store.length)
         return self.prefill_start(state, agent)
 
     def cache_bytes(self, state: CacheState) -> dict:

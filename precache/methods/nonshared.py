@@ -38,11 +38,8 @@ class NonShared(SharingMethod):
         # an agent reuses only what the same load of the same adapter wrote
         return {self._key(a, state.uids.get(a)): s for a, s in state.full.items()}
 
-    def reuse_key(self, agent: str | None) -> str | None:
+    def reuse_key(self, state: CacheState, agent: str | None) -> str | None:
         return _BASE_KEY if agent is None else self._key(agent, self.adapter_uid.get(agent))
-
-    def _store(self, state: CacheState, key: str):
-        return state.full[key.rsplit("#", 1)[0] if key != _BASE_KEY else key]
 
     def cached_length(self, state: CacheState) -> int:
         return max(s.length for s in state.full.values())

@@ -5,7 +5,6 @@ agent (BaseShared, PreLRShared, ReBaseShared): ``K = Kb + RoPE(s Lk B^k)``, ``V 
 from __future__ import annotations
 
 from precache.cache.pool import LRView, PagedStore
-from precache.cache.prefix import PrefixChain, attach
 from precache.methods.base import SharingMethod
 from precache.methods.state import CacheState
 
@@ -35,22 +34,8 @@ class SplitKVMethod(SharingMethod):
     def prefix_stores(self, state: CacheState) -> dict[str, PagedStore]:
         return {} if state.late else {self._base_key(state): state.base}
 
-    def reuse_key(self, agent: str | None) -> str | None:
-        return "base"
-
-    def _store(self, state: CacheState, key: str) -> PagedStore:
-        return state.base
-
-    def reuse_prefix(self, state: CacheState, agent: str | None, token_ids: list[int]) -> int:
-        before = state.base.length
-        usable = self.reuse_key(agent) is not None and self.prefix_caching and state.turn_start is None
-        if usable and not state.late:
-            key = self._base_key(state)
-            attach(state.base, state.prefix.setdefault(key, PrefixChain(key, salt=state.salt)), token_ids)
-        if state.base.length > before:  # a published block holds every agent's LR rows
-            for view in state.lr.values():
-                view.commit(state.base.length)
-        return self.prefill_start(state, agent)
+    def reuse_key(self, state: CacheState, agent: str | None) -> str | None:
+        return self._base_key(state)  # not in prefix_stores while the LR caches lag
 
     def add_agent_cache(self, state: CacheState, agent: str) -> None:
         state.lr[agent] = LRView(state.base, agent)

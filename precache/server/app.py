@@ -28,14 +28,13 @@ from precache.server import adapters as runtime_adapters
 from precache.server.access import STATE_KEY as ACCESS_STATE_KEY
 from precache.server.access import AccessLog
 from precache.server.adapters import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from precache.server.codec import Codec
 from precache.server.config import ServerConfig
 from precache.server.errors import APIError, error_body, install_error_handlers, quote, refuse
 from precache.server.guard import KEY_SCOPE, Guard
 from precache.server.jobs import ErrorEvent, Job, JobGroup
 from precache.server.loop import ServerLoop
 from precache.server.metrics import ServerMetrics
-from precache.server.prompts import chat_prompt, completion_prompts, echo_text
+from precache.server.prompts import Codec, chat_prompt, completion_prompts, echo_text
 from precache.server.protocol import (
     ChatRequest,
     CompletionRequest,
