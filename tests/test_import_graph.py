@@ -11,7 +11,8 @@ such as ``config``; ``precache`` itself is the package's ``__init__``). The rule
   (cluster -> server), so server -> cluster is refused;
 - no cycle between nodes, whether or not ``TYPE_CHECKING``-only imports are counted: such an
   import never runs, but it still says that one package needs the other's types, so the packages
-  stack in floors (``lora`` below ``models``, ``models`` below ``cache``; issue 37).
+  stack in floors (``lora`` below ``models``, ``models`` below ``cache``; issue 37);
+- no module longer than :data:`MAX_MODULE_LINES` lines.
 """
 
 from __future__ import annotations
@@ -223,3 +224,13 @@ def test_a_bad_import_is_caught(tmp_path):
         "cycle among agents, bench: agents -> bench (precache/agents/__init__.py:3) -> "
         "agents (precache/bench/__init__.py:1)" in cycles(edges, type_checking=True)
     )
+
+
+#: the longest a module of precache/ may grow (issue 37: a module a newcomer reads in one sitting)
+MAX_MODULE_LINES = 350
+
+
+def test_no_module_is_longer_than_a_newcomer_reads():
+    lengths = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
+    assert len(lengths) > 100  # the walk read the package
+    assert {p: n for p, n in lengths.items() if n > MAX_MODULE_LINES} == {}
