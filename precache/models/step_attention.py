@@ -12,7 +12,10 @@ In both, the scores are a sum inductor writes as one loop over the keys in pool 
 (:func:`_scores`), each key read once (a gathered one where it lies, never copied); the values are,
 in the window layout, a sum over chunks of the values as they lie (:func:`_weighted_values`), and
 in the gathered layout a product per head of the gathered copy (half the flat product's time
-there: benchmarks/RESULTS.md, "Compiled decode step").
+there: benchmarks/RESULTS.md, "Compiled decode step"). The LR value term ``P Lv`` is, in the window
+layout, a sum in chunks over each run's LR rows as they lie (:func:`_window_lr_values`: PreLRShared's step in
+0.88-0.95 of the time it took with the rows' column gather and copy, paired medians), and in the
+gathered layout a product with the gathered rows.
 
 Both compute the same maths (module docstring of step_graph; DESIGN.md "Notation"): scores
 ``q K^T / sqrt(D)`` over the visible keys, ``K = Kb + lr_on RoPE(s Lk B^k)``, softmax in fp32,
@@ -66,9 +69,13 @@ def attend(
     Hkv, G, D = qh.shape[1], qh.shape[2], qh.shape[3]
     dtype = qh.dtype
     queries = qh[:, None]  # [B, 1, Hkv, G, D], against keys [B, L, Hkv, 1, D]
-    delta = lv = None
+    delta = lv = own_cols = None
+    rank_k = inp.lr_cols.shape[1] // 2
     if inp.lr_cols.shape[1] > 0:  # the row's LR part: rows Lk, Lv of its adapter's columns
         own_cols = torch.gather(as_stored(own_lr, pool_lr), 1, inp.lr_cols)[:, None, :]  # [B, 1, rk + rv]
+    # every key's LR rows as a copy: the gathered layout, and a window row's key term; a window
+    # row's value term reads its runs in place (_window_lr_values)
+    if own_cols is not None and (not inp.window or "k_proj" in stacks):
         if inp.window:
             runs = [lr_run[layer][:, inp.lr_cols[0]].to(dtype).unsqueeze(0) for lr_run in pool_lr]
             lr = torch.cat([*runs, own_cols], dim=1)
@@ -77,7 +84,6 @@ def attend(
             lr = torch.gather(lr, 2, inp.lr_cols[:, None, :].expand(B, L, -1))
             lr = torch.where(inp.is_self[:, :, None], own_cols, lr)
         lr = torch.where(inp.lr_on[:, :, None], lr, 0.0)  # rows of other stores hold no LR rows
-        rank_k = inp.lr_cols.shape[1] // 2
         lk, lv = lr[..., :rank_k], lr[..., rank_k:]
         if "k_proj" in stacks:  # s RoPE(Lk B^k), [B, L, Hkv, D]
             delta = torch.bmm(lk, stacks["k_proj"][1][inp.lr_adapter, layer]).view(B, L, Hkv, D)
@@ -105,8 +111,12 @@ def attend(
         # per head (the gathered copy is made anyway): 0.8 against the flat product's 1.7 ms a
         # layer at 16 rows of 300 keys (the flat one computes every head against every head)
         out = torch.matmul(weights.permute(0, 2, 3, 1).to(dtype), values.permute(0, 2, 1, 3)).float()
-    if lv is not None and "v_proj" in stacks:
-        plv = torch.bmm(weights.view(B, L, Hkv * G).transpose(1, 2).to(dtype), lv)  # [B, Hq, rv]: P Lv
+    if own_cols is not None and "v_proj" in stacks:
+        if inp.window:  # [1, Hq, rv]: P Lv
+            plv = _window_lr_values(weights[0], inp, layer, pool_lr, own_cols[0, 0], rank_k).unsqueeze(0)
+            plv = plv.to(dtype)
+        else:
+            plv = torch.bmm(weights.view(B, L, Hkv * G).transpose(1, 2).to(dtype), lv)  # [B, Hq, rv]: P Lv
         bv = stacks["v_proj"][1][inp.lr_adapter, layer].view(B, -1, Hkv, D).permute(0, 2, 1, 3)
         out = out + torch.matmul(plv.view(B, Hkv, G, -1), bv).float()  # + s (P Lv) B^v
     return (out / total).to(dtype)
@@ -188,3 +198,33 @@ def _weighted_values(weights: torch.Tensor, start, W, values: torch.Tensor) -> t
     p = _in_chunks(weights[start : start + W], 0, W)
     part = (p[..., None] * v[:, :, :, None, :]).sum(1)  # [chunks, Hkv, G, D]
     return part.sum(0)
+
+
+def _window_lr_values(
+    weights: torch.Tensor,
+    inp: DecodeStepInputs,
+    layer: int,
+    pool_lr: tuple[torch.Tensor, ...],
+    own: torch.Tensor,
+    rank_k: int,
+) -> torch.Tensor:
+    """``P Lv`` ``[Hq, rv]`` (fp32, unnormalised) for a window row: ``weights`` ``[L, Hkv, G]``,
+    its keys in run order, its own last; ``pool_lr`` the runs' LR rows ``[n_layers, W_r, C]`` (every
+    agent's columns), read in place; ``own`` ``[rk + rv]`` the row's own LR row at its adapter's
+    columns. Each run's ``P^T LR`` is a sum over the keys in chunks of :data:`VALUE_CHUNK` over all
+    ``C`` columns (a run row's columns lie together: the same bytes as the row's own), then the
+    adapter's value columns ``lr_cols[rk:]`` are taken from the ``[Hq, C]`` result; keys whose
+    ``lr_on`` is False (rows of another store) count 0."""
+    L = weights.shape[0]
+    p = weights.reshape(L, -1)  # [L, Hq]
+    on = inp.lr_on[0]
+    plv = p[-1, :, None] * torch.where(on[-1], own[rank_k:].float(), 0.0)[None, :]
+    start = 0
+    for lr_run in pool_lr:
+        W = lr_run.shape[1]
+        lr = torch.where(on[start : start + W, None], lr_run[layer].float(), 0.0)  # [W, C]
+        p_run, lr_run_chunks = _in_chunks(p[start : start + W], 0, W), _in_chunks(lr, 0, W)
+        part = (p_run[..., None] * lr_run_chunks[:, :, None, :]).sum(1).sum(0)  # [Hq, C]
+        plv = plv + part[:, inp.lr_cols[0, rank_k:]]
+        start = start + W
+    return plv
