@@ -73,12 +73,13 @@ def attend(
     rank_k = inp.lr_cols.shape[1] // 2
     if inp.lr_cols.shape[1] > 0:  # the row's LR part: rows Lk, Lv of its adapter's columns
         own_cols = torch.gather(as_stored(own_lr, pool_lr), 1, inp.lr_cols)[:, None, :]  # [B, 1, rk + rv]
-    # every key's LR rows as a copy: the gathered layout, and a window row's key term; a window
-    # row's value term reads its runs in place (_window_lr_values)
+    # every key's LR rows as a copy: the gathered layout's, and a window row's key columns for its
+    # key term (its value term reads the runs in place: _window_lr_values)
     if own_cols is not None and (not inp.window or "k_proj" in stacks):
-        if inp.window:
-            runs = [lr_run[layer][:, inp.lr_cols[0]].to(dtype).unsqueeze(0) for lr_run in pool_lr]
-            lr = torch.cat([*runs, own_cols], dim=1)
+        if inp.window:  # the key columns only: the value term reads the runs in place
+            cols = inp.lr_cols[0, :rank_k]
+            runs = [lr_run[layer][:, cols].to(dtype).unsqueeze(0) for lr_run in pool_lr]
+            lr = torch.cat([*runs, own_cols[..., :rank_k]], dim=1)
         else:
             lr = pool_lr[layer][inp.slots].to(dtype)
             lr = torch.gather(lr, 2, inp.lr_cols[:, None, :].expand(B, L, -1))
