@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import statistics
 import subprocess
 import sys
@@ -66,9 +67,19 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32, help="decode steps a side a round")
     parser.add_argument("--method", default="prelrshared")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--new-options", type=json.loads, default={}, help="inductor options (JSON) of the new side"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    base = dict(step_graph.INDUCTOR_OPTIONS)
     sides = {"new": (step_graph.attend, step_inputs.VALUE_PAD), "old": attention_at(args.against)}
+    options = {"new": {**base, **args.new_options}, "old": base}
+
+    def use(side: str) -> None:
+        step_graph.attend, step_inputs.VALUE_PAD = sides[side]
+        step_graph.INDUCTOR_OPTIONS = options[side]
+
     model = precache.load_model()
     adapters = {a: ADAPTERS / a for a in ("plan", "action", "reflect")}
     engine = precache.Engine(model, adapters=adapters, method=args.method)
@@ -78,19 +89,21 @@ def main() -> int:
     for n in contexts:
         sessions[n] = engine.session()
         sessions[n].append(torch.randint(10, 10000, (n,), generator=gen).tolist())
-        for side in sides.values():  # compile each side (and warm it) before any round
-            step_graph.attend, step_inputs.VALUE_PAD = side
+        for side in sides:  # compile each side (and warm it) before any round
+            use(side)
             ms_per_step(sessions[n], 4)
     times = {(n, s): [] for n in contexts for s in sides}
     for r in range(args.rounds):
         order = ["new", "old"] if r % 2 == 0 else ["old", "new"]
         for n in contexts:
             for s in order:
-                step_graph.attend, step_inputs.VALUE_PAD = sides[s]
+                use(s)
                 times[n, s].append(ms_per_step(sessions[n], args.tokens))
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
-    step_graph.attend, step_inputs.VALUE_PAD = sides["new"]
-    print(f"against {args.against}, {args.method}, {args.rounds} rounds of {args.tokens} steps, ms a step\n")
+    use("new")
+    print(
+        f"against {args.against}{' with ' + json.dumps(args.new_options) if args.new_options else ''}, {args.method}, {args.rounds} rounds of {args.tokens} steps, ms a step\n"
+    )
     print("| context (tokens) | old | new | paired new / old | new faster |")
     print("|---|---|---|---|---|")
     for n in contexts:

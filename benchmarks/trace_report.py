@@ -61,15 +61,16 @@ def report(path: str) -> str:
                         [b["latency_s"] / p["latency_s"] for b, p in zip(m[base]["runs"], pre, strict=True)],
                     )
                 )
-                rows.append(
-                    (
-                        f"PreLRShared / {base} decode tok/s",
-                        [
-                            p["decode_tok_s"] / b["decode_tok_s"]
-                            for b, p in zip(m[base]["runs"], pre, strict=True)
-                        ],
+                for name in [k for k in m if not k.startswith(("llama-cpp", "hf-peft"))]:
+                    rows.append(
+                        (
+                            f"{name} / {base} decode tok/s",
+                            [
+                                r["decode_tok_s"] / b["decode_tok_s"]
+                                for b, r in zip(m[base]["runs"], m[name]["runs"], strict=True)
+                            ],
+                        )
                     )
-                )
         out += [
             "",
             "| ratio, per repeat (same round) | repeat 1 | repeat 2 | repeat 3 |",
