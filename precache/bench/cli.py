@@ -132,8 +132,11 @@ def _fidelity(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    """Register ``bench trace`` and ``fidelity`` on the ``precache`` parser."""
-    bench = sub.add_parser("bench", help="benchmarks: trace replay against NonShared and HF + PEFT")
+    """Register ``bench`` (``trace``, ``serve``, ``capacity``, ``decode``, ``episodes``, ``soak``),
+    ``study`` and ``fidelity`` on the ``precache`` parser."""
+    bench = sub.add_parser(
+        "bench", help="benchmarks: trace replay, decode speed, serving, capacity, episodes, soak"
+    )
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     add_bench_serve(bench_sub)
     add_bench_capacity(bench_sub)
