@@ -4,10 +4,12 @@ each round running both attentions on the same session (order ABBA over the roun
 
 Processes on a 2-core machine drift by 20-30% from one to the next, more than most changes to
 the attention are worth; within one process the two sides share the same weights, pool and
-caches. The revision's ``precache/models/step_attention.py`` is loaded from git as a module and
-swapped in for the step's ``attend`` (each side compiles its own graph once, minutes cold); it must
-take the same arguments. Its value runs reach as many rows past their keys as its ``VALUE_PAD``
-says (none when it has none, as before the pool kept spare rows).
+caches. The revision's ``precache/models/step_attention.py`` and ``precache/cache/step_inputs.py``
+(what the step reads and how the pool is handed to it) are loaded from git as modules and swapped
+in for the step's ``attend`` and the planner's ``decode_step_inputs`` / ``write_step`` (each side
+compiles its own graph once, minutes cold); they must take the same arguments. Its value runs reach
+as many rows past their keys as its ``VALUE_PAD`` says (none when it has none, as before the pool
+kept spare rows).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/decode_attention_ab.py --against 1cd33c7 \\
         --contexts 4000,1000,250 --rounds 8
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch
 
 import precache
+import precache.cache.plan as plan
 import precache.cache.step_inputs as step_inputs
 import precache.models.step_graph as step_graph
 
@@ -33,20 +36,26 @@ REPO = Path(__file__).resolve().parents[1]
 ADAPTERS = REPO / "precache" / "assets" / "adapters" / "smollm2-135m" / "qv"
 
 
-def attention_at(rev: str):
-    """``attend`` of ``precache/models/step_attention.py`` as it stood at ``rev``, and its
-    ``VALUE_PAD`` (0 where it had none)."""
+def module_at(rev: str, path: str):
+    """The module at ``path`` as it stood at ``rev``, loaded under a name of its own."""
     source = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{rev}:precache/models/step_attention.py"],
-        check=True,
-        capture_output=True,
-        text=True,
+        ["git", "-C", str(REPO), "show", f"{rev}:{path}"], check=True, capture_output=True, text=True
     ).stdout
-    spec = importlib.util.spec_from_loader(f"step_attention_{rev}", loader=None)
+    spec = importlib.util.spec_from_loader(f"{Path(path).stem}_{rev}", loader=None)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dynamo looks a traced function's module up by name
-    exec(compile(source, f"step_attention@{rev}", "exec"), module.__dict__)
-    return module.attend, getattr(module, "VALUE_PAD", 0)
+    exec(compile(source, f"{path}@{rev}", "exec"), module.__dict__)
+    return module
+
+
+def side_at(rev: str) -> tuple:
+    """``attend`` of ``precache/models/step_attention.py`` as it stood at ``rev`` and
+    ``precache/cache/step_inputs.py``'s ``decode_step_inputs`` and ``write_step``, its value runs
+    reaching its ``VALUE_PAD`` rows (0 where it had none) past their keys."""
+    attention = module_at(rev, "precache/models/step_attention.py")
+    inputs = module_at(rev, "precache/cache/step_inputs.py")
+    inputs.VALUE_PAD = getattr(attention, "VALUE_PAD", 0)
+    return attention.attend, inputs.decode_step_inputs, inputs.write_step
 
 
 def ms_per_step(session, tokens: int) -> float:
@@ -73,11 +82,12 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     base = dict(step_graph.INDUCTOR_OPTIONS)
-    sides = {"new": (step_graph.attend, step_inputs.VALUE_PAD), "old": attention_at(args.against)}
+    sides = {"new": (step_graph.attend, step_inputs.decode_step_inputs, step_inputs.write_step)}
+    sides["old"] = side_at(args.against)
     options = {"new": {**base, **args.new_options}, "old": base}
 
     def use(side: str) -> None:
-        step_graph.attend, step_inputs.VALUE_PAD = sides[side]
+        step_graph.attend, plan.decode_step_inputs, plan.write_step = sides[side]
         step_graph.INDUCTOR_OPTIONS = options[side]
 
     model = precache.load_model()

@@ -112,7 +112,8 @@ def test_one_run_of_keys_is_read_in_place_and_a_scattered_row_gathered(
     window layout); a second trajectory that shares the first one's prompt prefix (cached blocks)
     and continues in blocks of its own reads two runs in place, except at its first step, when its
     own blocks hold one key before the row's own (a run of one row: gathered): all as the eager
-    forward."""
+    forward. The agent's LR columns are not the pool's first (the window reads only the reader's
+    columns)."""
     eager, dirs, _ = tiny
     gen = torch.Generator().manual_seed(11)
     prefix = torch.randint(3, 90, (48,), generator=gen).tolist()
@@ -123,7 +124,7 @@ def test_one_run_of_keys_is_read_in_place_and_a_scattered_row_gathered(
         for prompt in prompts:
             session = engine.session()
             session.append(prompt)
-            out.append(session.generate(agent=AGENTS[0], max_new_tokens=12, temperature=0.0).token_ids)
+            out.append(session.generate(agent=AGENTS[1], max_new_tokens=12, temperature=0.0).token_ids)
         return out
 
     oracle = Oracle(monkeypatch)
