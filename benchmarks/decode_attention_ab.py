@@ -4,10 +4,11 @@ each round running both attentions on the same session (order ABBA over the roun
 
 Processes on a 2-core machine drift by 20-30% from one to the next, more than most changes to
 the attention are worth; within one process the two sides share the same weights, pool and
-caches. The revision's ``precache/models/step_attention.py`` and ``precache/cache/step_inputs.py``
-(what the step reads and how the pool is handed to it) are loaded from git as modules and swapped
-in for the step's ``attend`` and the planner's ``decode_step_inputs`` / ``write_step`` (each side
-compiles its own graph once, minutes cold); they must take the same arguments. Its value runs reach
+caches. The revision's ``precache/models/step_graph.py``, ``precache/models/step_attention.py`` and
+``precache/cache/step_inputs.py`` (the step's layers, its attention, and what the step reads) are
+loaded from git as modules and swapped in for the step's ``forward`` and ``attend`` and the
+planner's ``decode_step_inputs`` / ``write_step`` (each side compiles its own graph once, minutes
+cold); they must take the same arguments and the same weights. Its value runs reach
 as many rows past their keys as its ``VALUE_PAD`` says (none when it has none, as before the pool
 kept spare rows).
 
@@ -49,13 +50,16 @@ def module_at(rev: str, path: str):
 
 
 def side_at(rev: str) -> tuple:
-    """``attend`` of ``precache/models/step_attention.py`` as it stood at ``rev`` and
-    ``precache/cache/step_inputs.py``'s ``decode_step_inputs`` and ``write_step``, its value runs
-    reaching its ``VALUE_PAD`` rows (0 where it had none) past their keys."""
+    """The step's ``forward`` (``precache/models/step_graph.py``, calling that revision's
+    ``attend``) as it stood at ``rev``, and ``precache/cache/step_inputs.py``'s
+    ``decode_step_inputs`` and ``write_step``, its value runs reaching its ``VALUE_PAD`` rows (0
+    where it had none) past their keys."""
     attention = module_at(rev, "precache/models/step_attention.py")
+    graph = module_at(rev, "precache/models/step_graph.py")
+    graph.attend = attention.attend
     inputs = module_at(rev, "precache/cache/step_inputs.py")
     inputs.VALUE_PAD = getattr(attention, "VALUE_PAD", 0)
-    return attention.attend, inputs.decode_step_inputs, inputs.write_step
+    return graph._Step.forward, inputs.decode_step_inputs, inputs.write_step
 
 
 def ms_per_step(session, tokens: int) -> float:
@@ -82,12 +86,12 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     base = dict(step_graph.INDUCTOR_OPTIONS)
-    sides = {"new": (step_graph.attend, step_inputs.decode_step_inputs, step_inputs.write_step)}
+    sides = {"new": (step_graph._Step.forward, step_inputs.decode_step_inputs, step_inputs.write_step)}
     sides["old"] = side_at(args.against)
     options = {"new": {**base, **args.new_options}, "old": base}
 
     def use(side: str) -> None:
-        step_graph.attend, plan.decode_step_inputs, plan.write_step = sides[side]
+        step_graph._Step.forward, plan.decode_step_inputs, plan.write_step = sides[side]
         step_graph.INDUCTOR_OPTIONS = options[side]
 
     model = precache.load_model()
