@@ -4,12 +4,13 @@ each round running both attentions on the same session (order ABBA over the roun
 
 Processes on a 2-core machine drift by 20-30% from one to the next, more than most changes to
 the attention are worth; within one process the two sides share the same weights, pool and
-caches. The revision's ``precache/models/step_graph.py``, ``precache/models/step_attention.py`` and
-``precache/cache/step_inputs.py`` (the step's layers, its attention, and what the step reads) are
-loaded from git as modules and swapped in for the step's ``forward`` and ``attend`` and the
-planner's ``decode_step_inputs`` / ``write_step`` (each side compiles its own graph once, minutes
-cold); they must take the same arguments and the same weights. Its value runs reach
-as many rows past their keys as its ``VALUE_PAD`` says (none when it has none, as before the pool
+caches. The revision's ``precache/models/step_attention.py`` is loaded from git as a module and
+swapped in for the step's ``attend``; with ``--swap attention,inputs,forward`` also its
+``precache/cache/step_inputs.py`` (what the step reads: the planner's ``decode_step_inputs`` /
+``write_step``) and ``precache/models/step_graph.py``'s ``_Step.forward`` (the step's layers,
+calling that revision's ``attend``). Each side compiles its own graph once (minutes cold); the
+swapped code must take the same arguments and weights as this checkout's. Its value runs reach as
+many rows past their keys as its ``VALUE_PAD`` says (none when it has none, as before the pool
 kept spare rows).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/decode_attention_ab.py --against 1cd33c7 \\
@@ -49,17 +50,27 @@ def module_at(rev: str, path: str):
     return module
 
 
-def side_at(rev: str) -> tuple:
-    """The step's ``forward`` (``precache/models/step_graph.py``, calling that revision's
-    ``attend``) as it stood at ``rev``, and ``precache/cache/step_inputs.py``'s
-    ``decode_step_inputs`` and ``write_step``, its value runs reaching its ``VALUE_PAD`` rows (0
-    where it had none) past their keys."""
+SWAPPABLE = ("attention", "inputs", "forward")
+
+
+def side_at(rev: str, swap: set[str]) -> dict:
+    """What ``swap`` names as it stood at ``rev``: ``attend`` (``precache/models/step_attention.py``),
+    ``decode_step_inputs`` and ``write_step`` (``precache/cache/step_inputs.py``, its value runs
+    reaching that revision's ``VALUE_PAD`` rows past their keys, 0 where it had none), ``forward``
+    (``precache/models/step_graph.py``'s ``_Step.forward``, calling that revision's ``attend``)."""
     attention = module_at(rev, "precache/models/step_attention.py")
-    graph = module_at(rev, "precache/models/step_graph.py")
-    graph.attend = attention.attend
-    inputs = module_at(rev, "precache/cache/step_inputs.py")
-    inputs.VALUE_PAD = getattr(attention, "VALUE_PAD", 0)
-    return graph._Step.forward, inputs.decode_step_inputs, inputs.write_step
+    side = {"attend": attention.attend}
+    if "inputs" in swap:
+        inputs = module_at(rev, "precache/cache/step_inputs.py")
+        inputs.VALUE_PAD = getattr(attention, "VALUE_PAD", 0)
+        side.update(decode_step_inputs=inputs.decode_step_inputs, write_step=inputs.write_step)
+    else:  # this checkout's inputs, the values read as far past their keys as that attention says
+        side["VALUE_PAD"] = getattr(attention, "VALUE_PAD", 0)
+    if "forward" in swap:
+        graph = module_at(rev, "precache/models/step_graph.py")
+        graph.attend = attention.attend
+        side["forward"] = graph._Step.forward
+    return side
 
 
 def ms_per_step(session, tokens: int) -> float:
@@ -83,15 +94,34 @@ def main() -> int:
     parser.add_argument(
         "--new-options", type=json.loads, default={}, help="inductor options (JSON) of the new side"
     )
+    parser.add_argument(
+        "--swap",
+        default="attention",
+        help=f"what the revision's side brings, comma-separated from {', '.join(SWAPPABLE)} (attention always)",
+    )
     args = parser.parse_args()
+    swap = {"attention", *args.swap.split(",")}
+    if not swap <= set(SWAPPABLE):
+        parser.error(
+            f"--swap: unknown {', '.join(sorted(swap - set(SWAPPABLE)))}; choose from {', '.join(SWAPPABLE)}"
+        )
     torch.set_num_threads(args.threads)
     base = dict(step_graph.INDUCTOR_OPTIONS)
-    sides = {"new": (step_graph._Step.forward, step_inputs.decode_step_inputs, step_inputs.write_step)}
-    sides["old"] = side_at(args.against)
+    new = {
+        "attend": step_graph.attend,
+        "decode_step_inputs": step_inputs.decode_step_inputs,
+        "write_step": step_inputs.write_step,
+        "VALUE_PAD": step_inputs.VALUE_PAD,
+        "forward": step_graph._Step.forward,
+    }
+    sides = {"new": new, "old": {**new, **side_at(args.against, swap)}}
     options = {"new": {**base, **args.new_options}, "old": base}
 
     def use(side: str) -> None:
-        step_graph._Step.forward, plan.decode_step_inputs, plan.write_step = sides[side]
+        s = sides[side]
+        step_graph.attend, step_graph._Step.forward = s["attend"], s["forward"]
+        plan.decode_step_inputs, plan.write_step = s["decode_step_inputs"], s["write_step"]
+        step_inputs.VALUE_PAD = s["VALUE_PAD"]
         step_graph.INDUCTOR_OPTIONS = options[side]
 
     model = precache.load_model()
@@ -116,7 +146,7 @@ def main() -> int:
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     use("new")
     print(
-        f"against {args.against}{' with ' + json.dumps(args.new_options) if args.new_options else ''}, {args.method}, {args.rounds} rounds of {args.tokens} steps, ms a step\n"
+        f"against {args.against} ({', '.join(sorted(swap))}){' with ' + json.dumps(args.new_options) if args.new_options else ''}, {args.method}, {args.rounds} rounds of {args.tokens} steps, ms a step\n"
     )
     print("| context (tokens) | old | new | paired new / old | new faster |")
     print("|---|---|---|---|---|")
