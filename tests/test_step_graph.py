@@ -91,6 +91,27 @@ def graph_model(tiny):
     return model
 
 
+def test_a_compile_is_logged_before_and_after_it(tiny, caplog):
+    """Where stderr is no terminal the progress bar is not drawn: the log says that the step is
+    being compiled before the (minutes-long, when cold) wait, and how long it took after it; a
+    step whose graph is held compiles nothing and logs nothing."""
+    _, dirs, _ = tiny
+    model, _ = tiny_model("llama", seed=0, num_layers=3)
+    model.compile()
+    engine = make_engine(model, dirs, "prelrshared")
+    session = engine.session()
+    session.append(list(range(3, 40)))
+    with caplog.at_level("INFO", logger="precache.models.step_graph"):
+        session.generate(agent=AGENTS[0], max_new_tokens=4, temperature=0.0)
+    messages = [r.getMessage() for r in caplog.records if r.name == "precache.models.step_graph"]
+    assert messages[0].startswith("compiling the decode step for 1 row")
+    assert messages[1].startswith("decode step for 1 row") and " compiled in " in messages[1]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="precache.models.step_graph"):
+        session.generate(agent=AGENTS[0], max_new_tokens=4, temperature=0.0)
+    assert not [r for r in caplog.records if r.name == "precache.models.step_graph"]
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_decodes_through_the_graph_as_the_eager_forward(tiny, graph_model, monkeypatch, method):
     eager, dirs, _ = tiny
