@@ -133,8 +133,8 @@ def test_one_run_of_keys_is_read_in_place_and_a_scattered_row_gathered(
     window layout); a second trajectory that shares the first one's prompt prefix (cached blocks)
     and continues in blocks of its own reads two runs in place, except at its first step, when its
     own blocks hold one key before the row's own (a run of one row: gathered): all as the eager
-    forward. The agent's LR columns are not the pool's first (the window reads only the reader's
-    columns)."""
+    forward. The agent's LR columns are not the pool's first, so a window that reads another
+    agent's columns (or counts them from the wrong first column) shows in the logits."""
     eager, dirs, _ = tiny
     gen = torch.Generator().manual_seed(11)
     prefix = torch.randint(3, 90, (48,), generator=gen).tolist()

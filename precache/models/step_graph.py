@@ -300,11 +300,12 @@ class DecodeGraph:
         if inputs.window:
             rows += f", keys in {len(pool_k)} run{'s' if len(pool_k) > 1 else ''} of the pool"
         t0 = time.perf_counter()
+        what = f"compiling the decode step for {rows} (cached under {inductor_cache_dir()})"
         # a line before the wait as well as the bar: where stderr is no terminal (a log file, a
         # notebook) the bar is not drawn, and a cold compile takes minutes
-        logger.info("compiling the decode step for %s (cached under %s)", rows, inductor_cache_dir())
+        logger.info(what)
         with (
-            progress(1, f"compiling the decode step ({rows}; cached under {inductor_cache_dir()})"),
+            progress(1, what),
             _configured(),
             warnings.catch_warnings(),
         ):
