@@ -39,6 +39,22 @@ def positive_float(text: str) -> float:
     return value
 
 
+#: ``--split``: ``precache.agents.data.SPLITS`` (spelled here: the parser needs no torch)
+SPLITS = ("dev", "train", "all")
+
+
+def add_split_argument(parser: argparse.ArgumentParser) -> None:
+    """``--split dev | train | all`` (default dev): which of the benchmark's committed questions a
+    command runs (the fixed split of ``precache/assets/{hotpotqa,scienceqa}/split.json``)."""
+    parser.add_argument(
+        "--split",
+        choices=SPLITS,
+        default="dev",
+        help="the benchmark's questions to run: dev (held out; default), train (the ones the "
+        "committed adapters were trained on) or all",
+    )
+
+
 #: ``--dtype``: the weights' and the compute dtype (the KV caches follow the compute dtype)
 DTYPES = ("float32", "bfloat16")
 

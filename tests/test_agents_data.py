@@ -40,3 +40,18 @@ def test_errors(monkeypatch, tmp_path):
     monkeypatch.setenv("PRECACHE_DATA", str(tmp_path))
     with pytest.raises(DatasetError, match="PRECACHE_DATA"):
         load_questions("all")
+
+
+def test_every_command_with_questions_takes_the_same_split_choices(capsys):
+    """``--split`` (spelled in precache.cli_args so the parser needs no torch) offers exactly the
+    splits ``load_questions`` knows, with its help text, in every command that runs questions."""
+    from precache.cli import build_parser
+    from precache.cli_args import SPLITS
+
+    assert set(SPLITS) == set(data.SPLITS)
+    parser = build_parser()
+    for command in (["eval"], ["fidelity"], ["bench", "episodes"], ["study"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*command, "--help"])
+        out = " ".join(capsys.readouterr().out.split())  # argparse wraps at the terminal's width
+        assert "--split {dev,train,all}" in out and "dev (held out; default)" in out, command

@@ -30,7 +30,7 @@ from precache.agents.evaluate import evaluate
 from precache.agents.formcheck import format_markdown, formcheck_markdown, run_formcheck
 from precache.agents.loop import run_episode
 from precache.agents.train import train_adapters
-from precache.cli_args import add_dtype_argument, model_options, positive_int
+from precache.cli_args import add_dtype_argument, add_split_argument, model_options, positive_int
 from precache.errors import AdapterError
 from precache.methods import METHOD_REGISTRY
 from precache.resources import ADAPTER_ROOT, ADAPTER_SETS, adapter_set
@@ -307,7 +307,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     _benchmark_option(evaluation)
     questions = evaluation.add_mutually_exclusive_group()
-    questions.add_argument("--split", choices=("dev", "train", "all"), default="dev")
+    add_split_argument(questions)
     questions.add_argument(
         "--data", help="questions of your own: HotpotQA records, one a line (.jsonl) or a JSON list"
     )

@@ -28,7 +28,7 @@ from precache.bench.soak import add_bench_soak
 from precache.bench.study.cli import add_study
 from precache.bench.suite import run_suite
 from precache.bench.trace import check_fits, load_trace, token_stream
-from precache.cli_args import model_options, positive_int
+from precache.cli_args import add_split_argument, model_options, positive_int
 from precache.errors import PrecacheError
 from precache.methods import METHODS
 from precache.resources import adapter_set, trace_path
@@ -178,7 +178,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     fidelity = sub.add_parser("fidelity", help="KL, top-1, base-cache error and answers vs NonShared")
     fidelity.add_argument("--benchmark", default="hotpotqa", help=" | ".join(BENCHMARKS.names))
-    fidelity.add_argument("--split", choices=("dev", "train", "all"), default="dev")
+    add_split_argument(fidelity)
     fidelity.add_argument("--limit", type=positive_int, default=None, help="first N questions of the split")
     fidelity.add_argument("--max-steps", type=int, default=8, help="plan steps per episode")
     fidelity.add_argument("--max-new-tokens", type=int, default=64, help="tokens per agent turn")

@@ -17,7 +17,7 @@ import precache
 from precache.agents.data import load_questions
 from precache.agents.loop import run_episode
 from precache.bench.common import add_common_args, methods_with_reference, write_results
-from precache.cli_args import model_options
+from precache.cli_args import add_split_argument, model_options
 from precache.engine.concurrency import run_concurrently
 from precache.engine.request import Turn
 from precache.methods import METHODS
@@ -96,7 +96,7 @@ def _bench_episodes(args: argparse.Namespace) -> int:
 def add_bench_episodes(bench_sub) -> None:
     """Register ``precache bench episodes``."""
     p = bench_sub.add_parser("episodes", help="TTFT of every method on recorded HotpotQA episodes")
-    p.add_argument("--split", choices=("dev", "train", "all"), default="dev")
+    add_split_argument(p)
     p.add_argument("--limit", type=int, default=20, help="first N questions of the split")
     p.add_argument("--max-steps", type=int, default=8, help="plan steps per episode")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per agent turn")

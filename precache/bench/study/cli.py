@@ -18,7 +18,7 @@ from precache.bench import report
 from precache.bench.common import methods_with_reference
 from precache.bench.study.run import run_study
 from precache.bench.study.store import StoredResultsError
-from precache.cli_args import positive_int
+from precache.cli_args import add_split_argument, positive_int
 from precache.errors import AdapterError
 from precache.lora.adapter import load_adapter
 from precache.methods import METHODS
@@ -235,7 +235,7 @@ def _add_selection(study: argparse.ArgumentParser) -> None:
         help=f"comma-separated sharing methods (default: all, {','.join(METHODS)}; with --report-only: "
         "the stored ones)",
     )
-    study.add_argument("--split", choices=("dev", "train", "all"), default="dev")
+    add_split_argument(study)
     study.add_argument("--limit", type=positive_int, default=None, help="first N questions of the split")
 
 
