@@ -50,8 +50,8 @@ def add_split_argument(parser: argparse.ArgumentParser) -> None:
         "--split",
         choices=SPLITS,
         default="dev",
-        help="the benchmark's questions to run: dev (held out; default), train (the ones the "
-        "committed adapters were trained on) or all",
+        help="the questions to run: dev (held out; default), train (the ones the committed "
+        "adapters were trained on) or all",
     )
 
 
@@ -93,8 +93,8 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--eager",
         action="store_true",
-        help="run decode steps eagerly instead of as one compiled graph per step (the default on a "
-        "CPU; compiled at the first step, cached under $PRECACHE_HOME/inductor)",
+        help="run decode steps eagerly; without it a CPU runs each decode step as one compiled graph "
+        "(compiled at the first step, cached under $PRECACHE_HOME/inductor)",
     )
 
 
