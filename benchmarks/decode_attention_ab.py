@@ -73,9 +73,12 @@ def side_at(rev: str, swap: set[str]) -> dict:
     return side
 
 
-def ms_per_step(session, tokens: int) -> float:
+AGENTS = ("plan", "action", "reflect")
+
+
+def ms_per_step(session, tokens: int, agent: str = "plan") -> float:
     session.append([11, 12])
-    turn = session.generate("plan", max_new_tokens=tokens + 1, ignore_eos=True)
+    turn = session.generate(agent, max_new_tokens=tokens + 1, ignore_eos=True)
     return 1000 * turn.decode_s / (len(turn.token_ids) - 1)
 
 
@@ -91,6 +94,14 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32, help="decode steps a side a round")
     parser.add_argument("--method", default="prelrshared")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--agent-turns",
+        type=int,
+        default=0,
+        help="turns of 4 tokens by each agent in turn before the timed rounds (the timed turns are "
+        "the planner's): with rebaseownshared-lp its own stores then lie between the base cache's "
+        "rows, the gathered layout",
+    )
     parser.add_argument(
         "--new-options", type=json.loads, default={}, help="inductor options (JSON) of the new side"
     )
@@ -117,15 +128,26 @@ def main() -> int:
     sides = {"new": new, "old": {**new, **side_at(args.against, swap)}}
     options = {"new": {**base, **args.new_options}, "old": base}
 
+    layouts: list[str] = []  # the layout of every step the new side's inputs describe
+
+    def recorded(prepare):
+        def run(*args):
+            out = prepare(*args)
+            if out is not None:
+                layouts.append("window" if out[0].window else "gathered")
+            return out
+
+        return run
+
     def use(side: str) -> None:
         s = sides[side]
         step_graph.attend, step_graph._Step.forward = s["attend"], s["forward"]
-        plan.decode_step_inputs, plan.write_step = s["decode_step_inputs"], s["write_step"]
+        plan.decode_step_inputs, plan.write_step = recorded(s["decode_step_inputs"]), s["write_step"]
         step_inputs.VALUE_PAD = s["VALUE_PAD"]
         step_graph.INDUCTOR_OPTIONS = options[side]
 
     model = precache.load_model()
-    adapters = {a: ADAPTERS / a for a in ("plan", "action", "reflect")}
+    adapters = {a: ADAPTERS / a for a in AGENTS}
     engine = precache.Engine(model, adapters=adapters, method=args.method)
     contexts = [int(c) for c in args.contexts.split(",")]
     sessions = {}
@@ -133,28 +155,37 @@ def main() -> int:
     for n in contexts:
         sessions[n] = engine.session()
         sessions[n].append(torch.randint(10, 10000, (n,), generator=gen).tolist())
-        for side in sides:  # compile each side (and warm it) before any round
+        for turn in range(args.agent_turns * len(AGENTS)):
+            use(list(sides)[turn % 2])
+            ms_per_step(sessions[n], 4, AGENTS[turn % len(AGENTS)])
+        # compile each side (and warm it) before any round: twice in turn, so that each side has
+        # also run on the layout a session of several turns settles in (ReBaseOwnShared's own
+        # stores between the base cache's rows: the gathered layout, a graph of its own)
+        for side in [*sides, *sides]:
             use(side)
             ms_per_step(sessions[n], 4)
     times = {(n, s): [] for n in contexts for s in sides}
+    seen = {n: set() for n in contexts}  # the layouts of the timed steps
     for r in range(args.rounds):
         order = ["new", "old"] if r % 2 == 0 else ["old", "new"]
         for n in contexts:
             for s in order:
                 use(s)
+                layouts.clear()
                 times[n, s].append(ms_per_step(sessions[n], args.tokens))
+                seen[n].update(layouts)
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     use("new")
     print(
-        f"against {args.against} ({', '.join(sorted(swap))}){' with ' + json.dumps(args.new_options) if args.new_options else ''}, {args.method}, {args.rounds} rounds of {args.tokens} steps, ms a step\n"
+        f"against {args.against} ({', '.join(sorted(swap))}){' with ' + json.dumps(args.new_options) if args.new_options else ''}, {args.method}{f', {args.agent_turns} turns by each agent first' if args.agent_turns else ''}, {args.rounds} rounds of {args.tokens} steps, ms a step\n"
     )
-    print("| context (tokens) | old | new | paired new / old | new faster |")
-    print("|---|---|---|---|---|")
+    print("| context (tokens) | layout | old | new | paired new / old | new faster |")
+    print("|---|---|---|---|---|---|")
     for n in contexts:
         ratios = [a / b for a, b in zip(times[n, "new"], times[n, "old"], strict=True)]
         faster = sum(r < 1 for r in ratios)
         print(
-            f"| {n:,} | {spread(times[n, 'old'])} | {spread(times[n, 'new'])} | "
+            f"| {n:,} | {', '.join(sorted(seen[n]))} | {spread(times[n, 'old'])} | {spread(times[n, 'new'])} | "
             f"{min(ratios):.2f} / {statistics.median(ratios):.2f} / {max(ratios):.2f} | {faster}/{len(ratios)} |"
         )
     return 0

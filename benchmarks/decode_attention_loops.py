@@ -14,7 +14,11 @@ head), fp32, compiled as the step is (at a short context first, the key count dy
 - ``read_chunked``: the values summed over the keys in the same chunked loop, no weights;
 - ``read_flat``: the same bytes summed flat (the machine's read speed for a layer's values);
 - ``scores``: ``_scores`` as the step runs it; ``scores_mkl``: ``K [L, 192] x Q [192, 9]`` with a
-  block-diagonal query (MKL's tall-skinny product over the contiguous key rows).
+  block-diagonal query (MKL's tall-skinny product over the contiguous key rows);
+- ``gathered``: ``_gathered_values`` as the step runs it for one row whose keys are scattered over
+  the pool (every other block of 16 rows, as two stores written in turn lie: ReBaseOwnShared's),
+  each value read through its slot in the chunked sum; ``gathered_mm``: the batch's form, a
+  gathered copy of the values and a product per head.
 
 Every other form of a term is checked against the step's own on the same inputs before it is timed.
 
@@ -82,6 +86,31 @@ def scores_mkl(q, k):
     return torch.mm(k.reshape(k.shape[0], HKV * D), block).view(-1, HKV, G)
 
 
+def gathered(weights, slots, layer_values):
+    own = torch.zeros(1, HKV, D)
+    is_self = torch.zeros(1, slots.shape[0], dtype=torch.bool)
+    return sa._gathered_values(weights[None], slots[None], is_self, own, layer_values)[0]
+
+
+def gathered_mm(weights, slots, layer_values):
+    return torch.matmul(weights.permute(1, 2, 0), layer_values[slots].permute(1, 0, 2))
+
+
+def interleaved_slots(n: int) -> torch.Tensor:
+    """``n`` pool rows in every other block of 16 (the keys of one of two stores written in turn)."""
+    return (torch.arange(n) // 16) * 32 + torch.arange(n) % 16
+
+
+def _gathered_chain(term):
+    def run(weights, pool, slots):
+        x = torch.zeros(HKV, G, D)
+        for layer in range(LAYERS):
+            x = term(weights * (1 + x[0, 0, 0]), slots, pool[layer]) + x
+        return x
+
+    return run
+
+
 def _value_chain(term):
     def run(weights, pool, rows):
         W, x = rows.shape[0], torch.zeros(HKV, G, D)
@@ -112,7 +141,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch._dynamo.config.recompile_limit = 64  # every side's chain is one code object, compiled twice
     torch.manual_seed(0)
-    pool = torch.randn(LAYERS, args.keys + 2 * sa.VALUE_PAD, HKV, D)
+    pool = torch.randn(LAYERS, 2 * args.keys + 2 * sa.VALUE_PAD, HKV, D)  # room for the scattered rows
     sides = {
         name: (_value_chain(f), "values")
         for name, f in [
@@ -124,22 +153,30 @@ def main() -> None:
         ]
     }
     sides |= {"scores": (_score_chain(scores), "scores"), "scores_mkl": (_score_chain(scores_mkl), "scores")}
+    sides |= {
+        name: (_gathered_chain(f), "gathered")
+        for name, f in [("gathered", gathered), ("gathered_mm", gathered_mm)]
+    }
     # one input of each kind for every side at each context, so the other forms can be checked
     # against the step's own term (a side that computes something else would time something else)
     firsts = {
         n: {"values": torch.rand(n, HKV, G) * 1e-3, "scores": torch.randn(HKV, G, D)}
         for n in (300, args.keys)
     }
+    for first in firsts.values():
+        first["gathered"] = first["values"].clone()  # marked dynamic apart from the values sides
     compiled, inputs, reference = {}, {}, {}
     for name, (fn, kind) in sides.items():
         compiled[name] = torch.compile(fn)
         for n in (300, args.keys):  # as the step: a short context first, then the long one
-            rows = torch.empty(n)
+            rows = interleaved_slots(n) if kind == "gathered" else torch.empty(n)
             torch._dynamo.mark_dynamic(rows, 0)
+            if kind == "gathered":
+                torch._dynamo.mark_dynamic(firsts[n][kind], 0)
             compiled[name](firsts[n][kind], pool, rows)
         inputs[name] = (firsts[args.keys][kind], pool, rows)
         got = compiled[name](*inputs[name])
-        if name in ("values", "scores"):
+        if name in ("values", "scores", "gathered"):  # the step's own form of each kind
             reference[kind] = fn(*inputs[name])
         if not name.startswith("read"):  # the reads sum the values unweighted: other maths
             torch.testing.assert_close(got, reference[kind], rtol=1e-4, atol=1e-4)

@@ -10,9 +10,10 @@ the block pool, in the two layouts :class:`~precache.models.contract.DecodeStepI
 
 In both, the scores are a sum inductor writes as one loop over the keys in pool order
 (:func:`_scores`), each key read once (a gathered one where it lies, never copied); the values are,
-in the window layout, a sum over chunks of the values as they lie (:func:`_weighted_values`), and
-in the gathered layout a product per head of the gathered copy (half the flat product's time
-there: benchmarks/RESULTS.md, "Compiled decode step"). The LR value term ``P Lv`` is, in the window
+in the window layout, a sum over chunks of the values as they lie (:func:`_weighted_values`), in
+the gathered layout for one row the same sum reading each value through its slot
+(:func:`_gathered_values`), and for a batch a product per head of the gathered copy (half the flat
+product's time there: benchmarks/RESULTS.md, "Compiled decode step"). The LR value term ``P Lv`` is, in the window
 layout, a sum in chunks over each run's LR rows as they lie (:func:`_window_lr_values`: PreLRShared's step in
 0.88-0.95 of the time it took with the rows' column gather and copy, paired medians), and in the
 gathered layout a product with the gathered rows.
@@ -105,6 +106,8 @@ def attend(
         for k, v in zip(pool_k, pool_v, strict=True):
             out = out + _weighted_values(weights[0], start, k.shape[1], v[layer])
             start = start + k.shape[1]
+    elif B == 1:  # one row: its values summed in chunks, each read where it lies in the pool
+        out = _gathered_values(weights, inp.slots, inp.is_self, own_v, pool_v[layer])
     else:
         values = torch.where(
             inp.is_self[:, :, None, None], own_v.unsqueeze(1), pool_v[layer][inp.slots].to(dtype)
@@ -202,6 +205,36 @@ def _weighted_values(weights: torch.Tensor, start, W, values: torch.Tensor) -> t
     p = _in_chunks(weights[start : start + W], 0, W)
     part = (p[..., None] * v[:, :, :, None, :]).sum(1)  # [chunks, Hkv, G, D]
     return part.sum(0)
+
+
+def _gathered_values(
+    weights: torch.Tensor,
+    slots: torch.Tensor,
+    is_self: torch.Tensor,
+    own_v: torch.Tensor,
+    values: torch.Tensor,
+) -> torch.Tensor:
+    """``P V`` for rows of the gathered layout, unnormalised: ``weights`` ``[B, L, Hkv, G]`` (fp32),
+    key ``l`` of row ``b`` at pool row ``slots[b, l]`` of ``values`` ``[rows, Hkv, D]`` (one layer of
+    the pool, any KV-cache dtype, widened as read), or the row's own value ``own_v`` ``[B, Hkv, D]``
+    where ``is_self`` ``[B, L]``; ``[B, Hkv, G, D]`` in fp32.
+
+    The sum of :func:`_weighted_values` over chunks of :data:`VALUE_CHUNK` keys, each key's value
+    read through its slot inside the loop instead of a gathered copy multiplied per head: for one
+    row at 4,000 keys scattered in blocks of 16, 0.53 ms a layer against the copy and product's
+    0.72 (a window run's sum 0.29), and ReBaseOwnShared-LP's step in 0.85 of the time
+    (benchmarks/RESULTS.md, "Gathered values in chunks"). The keys past ``L`` (padding up to whole
+    chunks) read pool row 0 and are replaced by 0 with ``where``."""
+    B, L = slots.shape
+    chunks = _chunk_count(L)
+    n = chunks * VALUE_CHUNK
+    own = torch.nn.functional.pad(is_self, [0, n - L])
+    slots = torch.nn.functional.pad(slots, [0, n - L])
+    inside = torch.arange(n, device=values.device) < L
+    v = torch.where(own[:, :, None, None], own_v.float()[:, None], values[slots].float())  # [B, n, Hkv, D]
+    v = torch.where(inside[None, :, None, None], v, 0.0).view(B, chunks, VALUE_CHUNK, *values.shape[1:])
+    p = _in_chunks(weights, 1, L)  # [B, chunks, VALUE_CHUNK, Hkv, G]
+    return (p[..., None] * v[:, :, :, :, None, :]).sum(2).sum(1)
 
 
 def _window_lr_values(
