@@ -6,9 +6,9 @@ Processes on a 2-core machine drift by 20-30% from one to the next, more than mo
 the attention are worth; within one process the two sides share the same weights, pool and
 caches. The revision's ``precache/models/step_attention.py`` is loaded from git as a module and
 swapped in for the step's ``attend``; with ``--swap attention,inputs,forward`` also its
-``precache/cache/step_inputs.py`` (what the step reads: the planner's ``decode_step_inputs`` /
-``write_step``) and ``precache/models/step_graph.py``'s ``_Step.forward`` (the step's layers,
-calling that revision's ``attend``). Each side compiles its own graph once (minutes cold); the
+``precache/cache/step_inputs.py`` (what the step reads and writes: the planner's ``decode_step``,
+or before it ``decode_step_inputs`` / ``write_step``) and ``precache/models/step_graph.py``'s
+``_Step.forward`` (the step's layers, calling that revision's ``attend``). Each side compiles its own graph once (minutes cold); the
 swapped code must take the same arguments and weights as this checkout's. Its value runs reach as
 many rows past their keys as its ``VALUE_PAD`` says (none when it has none, as before the pool
 kept spare rows).
@@ -55,15 +55,15 @@ SWAPPABLE = ("attention", "inputs", "forward")
 
 def side_at(rev: str, swap: set[str]) -> dict:
     """What ``swap`` names as it stood at ``rev``: ``attend`` (``precache/models/step_attention.py``),
-    ``decode_step_inputs`` and ``write_step`` (``precache/cache/step_inputs.py``, its value runs
-    reaching that revision's ``VALUE_PAD`` rows past their keys, 0 where it had none), ``forward``
+    ``decode_step`` (``precache/cache/step_inputs.py``, its value runs reaching that revision's
+    ``VALUE_PAD`` rows past their keys, 0 where it had none), ``forward``
     (``precache/models/step_graph.py``'s ``_Step.forward``, calling that revision's ``attend``)."""
     attention = module_at(rev, "precache/models/step_attention.py")
     side = {"attend": attention.attend}
     if "inputs" in swap:
         inputs = module_at(rev, "precache/cache/step_inputs.py")
         inputs.VALUE_PAD = getattr(attention, "VALUE_PAD", 0)
-        side.update(decode_step_inputs=inputs.decode_step_inputs, write_step=inputs.write_step)
+        side["decode_step"] = getattr(inputs, "decode_step", None) or _as_step(inputs)
     else:  # this checkout's inputs, the values read as far past their keys as that attention says
         side["VALUE_PAD"] = getattr(attention, "VALUE_PAD", 0)
     if "forward" in swap:
@@ -71,6 +71,25 @@ def side_at(rev: str, swap: set[str]) -> dict:
         graph.attend = attention.attend
         side["forward"] = graph._Step.forward
     return side
+
+
+class _Step:
+    """A step of a revision from before :class:`~precache.models.contract.DecodeStep`: its inputs
+    and reads, written by that revision's ``write_step``."""
+
+    def __init__(self, prepared, pool, write_step):
+        self.inputs, writes, self.reads = prepared
+        self.write = lambda out: write_step(pool, out, writes)
+
+
+def _as_step(inputs):
+    """That revision's ``decode_step_inputs`` (a tuple) and ``write_step`` as a ``decode_step``."""
+
+    def decode_step(model, plans, pool):
+        prepared = inputs.decode_step_inputs(model, plans, pool)
+        return None if prepared is None else _Step(prepared, pool, inputs.write_step)
+
+    return decode_step
 
 
 AGENTS = ("plan", "action", "reflect")
@@ -120,8 +139,7 @@ def main() -> int:
     base = dict(step_graph.INDUCTOR_OPTIONS)
     new = {
         "attend": step_graph.attend,
-        "decode_step_inputs": step_inputs.decode_step_inputs,
-        "write_step": step_inputs.write_step,
+        "decode_step": step_inputs.decode_step,
         "VALUE_PAD": step_inputs.VALUE_PAD,
         "forward": step_graph._Step.forward,
     }
@@ -134,7 +152,7 @@ def main() -> int:
         def run(*args):
             out = prepare(*args)
             if out is not None:
-                layouts.append("window" if out[0].window else "gathered")
+                layouts.append("window" if out.inputs.window else "gathered")
             return out
 
         return run
@@ -142,7 +160,7 @@ def main() -> int:
     def use(side: str) -> None:
         s = sides[side]
         step_graph.attend, step_graph._Step.forward = s["attend"], s["forward"]
-        plan.decode_step_inputs, plan.write_step = recorded(s["decode_step_inputs"]), s["write_step"]
+        plan.decode_step = recorded(s["decode_step"])
         step_inputs.VALUE_PAD = s["VALUE_PAD"]
         step_graph.INDUCTOR_OPTIONS = options[side]
 

@@ -1,8 +1,8 @@
 """Where a decode step's time goes in a trace replay: one method, the compiled step, a trace
 (default ``short_turns``), a warm-up replay (it compiles) then three timed replays; per replay
 the decode rate as ``bench trace`` counts it, and wall clocks around the step's parts on the compute
-thread: the step's inputs (``decode_step_inputs``), the compiled graph (``DecodeGraph.__call__``,
-dynamo's guards included), the pool writes after it (``write_step``) and the sampler
+thread: the step's inputs (``decode_step``), the compiled graph (``DecodeGraph._run``, dynamo's
+guards included), the pool writes after it (``DecodeStep.write``) and the sampler
 (``Decoder.step``); what is left of a step is the scheduler and the session.
 
     python benchmarks/trace_step_breakdown.py nonshared
@@ -23,6 +23,7 @@ import precache.engine.decoding as decoding
 from precache.bench.replay import replay_engine
 from precache.bench.trace import load_trace, token_stream
 from precache.methods import METHOD_REGISTRY
+from precache.models.contract import DecodeStep
 from precache.models.step_graph import DecodeGraph
 from precache.resources import adapter_set, trace_path
 
@@ -51,9 +52,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    _clocked(plan_module, "decode_step_inputs", "inputs")
-    _clocked(DecodeGraph, "__call__", "graph")
-    _clocked(plan_module, "write_step", "writes")
+    _clocked(plan_module, "decode_step", "inputs")
+    _clocked(DecodeGraph, "_run", "graph")
+    _clocked(DecodeStep, "write", "writes")
     _clocked(decoding.Decoder, "step", "sampler")
     trace = load_trace(trace_path(args.trace))
     model = precache.load_model(require_tokenizer=False)

@@ -45,13 +45,13 @@ class Oracle:
     def __init__(self, monkeypatch):
         self.steps, self.logits_err, self.pool_err, self.batch_sizes = 0, 0.0, 0.0, set()
         self.layouts: list[tuple[int, int]] = []  # (rows, runs read in place; 0: gathered) per step
-        captured, prepare = plan_module._captured_step, plan_module.decode_step_inputs
+        captured, prepare = plan_module._captured_step, plan_module.decode_step
 
         def recorded(model, plans, pool):
-            prepared = prepare(model, plans, pool)
-            if prepared is not None:
-                self.layouts.append((len(plans), len(prepared[2][0]) if prepared[0].window else 0))
-            return prepared
+            step = prepare(model, plans, pool)
+            if step is not None:
+                self.layouts.append((len(plans), len(step.reads[0]) if step.inputs.window else 0))
+            return step
 
         def checked(model, batch):
             pool = next((w.paged.pool for p in batch for w in p.writes), None)
@@ -80,7 +80,7 @@ class Oracle:
             return got
 
         monkeypatch.setattr(plan_module, "_captured_step", checked)
-        monkeypatch.setattr(plan_module, "decode_step_inputs", recorded)
+        monkeypatch.setattr(plan_module, "decode_step", recorded)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from precache.cache.attention.torch_backend import TorchBackend
 from precache.cache.planned_attention import PlannedAttention
 from precache.cache.pool import PagedStore
 from precache.cache.rowplan import RowPlan
-from precache.cache.step_inputs import decode_step_inputs, write_step
+from precache.cache.step_inputs import decode_step
 from precache.errors import ContextLengthError
 from precache.models.contract import Row
 
@@ -104,19 +104,14 @@ def run_plans(
 
 def _captured_step(model, batch: list[RowPlan]) -> torch.Tensor | None:
     """Logits ``[B, vocab]`` of a decode step run as the model's captured graph
-    (:mod:`precache.models.step_graph`), its entries written into the pool after it; None when
-    the model has no graph or the graph does not run this batch (:func:`decode_step_inputs`)."""
+    (:mod:`precache.models.step_graph`), which writes its entries into the pool after it; None
+    when the model has no graph or the graph does not run this batch (:func:`decode_step`)."""
     graph = getattr(model, "decode_graph", None)
     if graph is None:
         return None
     pool = next((w.paged.pool for p in batch for w in p.writes), None)
-    prepared = decode_step_inputs(model, batch, pool) if pool is not None else None
-    if prepared is None:
-        return None
-    inputs, writes, reads = prepared
-    out = graph(inputs, *reads)
-    write_step(pool, out, writes)
-    return out.logits
+    step = decode_step(model, batch, pool) if pool is not None else None
+    return graph(step) if step is not None else None
 
 
 def _eager_forward(model, batch, rows, wanted, backend) -> torch.Tensor:

@@ -1,19 +1,18 @@
-"""A decode step's row plans as the fixed tensors of the model's captured step
-(:class:`~precache.models.contract.DecodeStepInputs`), and its new entries written into the pool
-after it: the ``prepare`` of the compiled decode path (issue 34).
+"""A decode step's row plans as the model's captured step
+(:class:`~precache.models.contract.DecodeStep`): its fixed tensors, the pool tensors it reads and
+where its new entries go in the pool after it; the ``prepare`` of the compiled decode path
+(issue 34).
 
 Every sharing method's decode rows fit one description, so no method has code here: a row writes
 base entries, full (adapted) entries and LR rows at some pool rows (its plan's writes), and reads
 pool rows in position order, some of them with its adapter's LR part (its plan's views). The graph
 reads the pool as it was before the step; the row's own key is the entry it writes, marked
-``is_self``, so the graph takes it from what it just computed. :func:`decode_step_inputs` returns
+``is_self``, so the graph takes it from what it just computed. :func:`decode_step` returns
 None for a batch the graph does not run (a prefill or recompute row, a lone row over two pools,
 LR reads of two adapters in one row, a LoRA bias), which then runs the eager forward.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -21,25 +20,11 @@ from precache.cache.pool import KVPool
 from precache.cache.rowplan import BaseWrite, FullWrite, LRWrite, RowPlan
 from precache.lora.adapter import LoRAAdapter
 from precache.lora.targets import PROJECTIONS
-from precache.models.contract import DecodeStepInputs, DecodeStepOutputs
+from precache.models.contract import DecodeStep, DecodeStepInputs, StepWrites
 from precache.models.step_attention import MAX_RUNS, VALUE_PAD
 
 #: adapters a pool's stacks hold before they are rebuilt from one step's adapters only
 MAX_STACKED = 16
-
-
-@dataclass(frozen=True)
-class StepWrites:
-    """Where a step's new entries go: batch rows ``*_src`` ``[n]`` to pool rows ``*_dst`` ``[n]``.
-    LR writes come in ``lr`` passes of ``(src, dst, mask)``, ``mask`` ``[n, C]`` the LR columns each
-    fills; a pool row that several batch rows fill (ReBaseShared DB: the neutral row and the agent's
-    row write different agents' columns of one position) is written once per pass."""
-
-    base_src: torch.Tensor
-    base_dst: torch.Tensor
-    full_src: torch.Tensor
-    full_dst: torch.Tensor
-    lr: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]
 
 
 class _Stacks:
@@ -111,14 +96,11 @@ def _row_of(store, pos: int) -> int:
     return row
 
 
-def decode_step_inputs(
-    model, plans: list[RowPlan], pool: KVPool
-) -> tuple[DecodeStepInputs, StepWrites, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
-    """The captured step's inputs, the step's pool writes and the pool tensors the step reads
-    (``pool.k``, ``pool.v``, ``pool.lr``, or for window inputs (:class:`DecodeStepInputs`) tuples
-    of their views over each run of rows) for ``plans`` (one token each, in batch order, their
-    written blocks already reserved), or None when the graph does not run them (module
-    docstring)."""
+def decode_step(model, plans: list[RowPlan], pool: KVPool) -> DecodeStep | None:
+    """The captured step of ``plans`` (one token each, in batch order, their written blocks already
+    reserved): its inputs, the pool tensors it reads (``pool.k``, ``pool.v``, ``pool.lr``, or for
+    window inputs (:class:`DecodeStepInputs`) tuples of their views over each run of rows) and its
+    writes into the pool; None when the graph does not run them (module docstring)."""
     c = model.config
     if not plans or any(len(p.token_ids) != 1 or p.recompute is not None for p in plans):
         return None
@@ -291,10 +273,11 @@ def _tensors(model, pool, rows, stacks: _Stacks, writers, base_w, full_w, lr_w):
         window is not None,
     )
     writes = StepWrites(*pairs(base_w), *pairs(full_w), tuple(lr_passes))
+    tensors = (pool.k, pool.v, pool.lr)
     if window is None:
-        return inputs, writes, (pool.k, pool.v, pool.lr)
+        return DecodeStep(inputs, tensors, writes, tensors)
     k_runs, lr_runs = (tuple(t[:, run] for run in runs) for t in (pool.k, pool.lr))
-    return inputs, writes, (k_runs, tuple(_padded(pool.v, run) for run in runs), lr_runs)
+    return DecodeStep(inputs, (k_runs, tuple(_padded(pool.v, run) for run in runs), lr_runs), writes, tensors)
 
 
 def _padded(t: torch.Tensor, run: slice) -> torch.Tensor:
@@ -302,16 +285,3 @@ def _padded(t: torch.Tensor, run: slice) -> torch.Tensor:
     layer, or past the last layer the pool's spare rows: :class:`KVPool`), read at weight 0."""
     size = (t.shape[0], run.stop - run.start + VALUE_PAD, *t.shape[2:])
     return t.as_strided(size, t.stride(), t.storage_offset() + run.start * t.stride(1))
-
-
-def write_step(pool: KVPool, out: DecodeStepOutputs, writes: StepWrites) -> None:
-    """Write a step's new entries into the pool: one indexed copy per pool tensor and kind of entry
-    over every layer (the graph itself reads the pool only)."""
-    if writes.base_dst.numel():
-        pool.k[:, writes.base_dst] = out.k_base[:, writes.base_src].to(pool.dtype)  # kv_cache_dtype
-        pool.v[:, writes.base_dst] = out.v_base[:, writes.base_src].to(pool.dtype)
-    if writes.full_dst.numel():
-        pool.k[:, writes.full_dst] = out.k_full[:, writes.full_src].to(pool.dtype)
-        pool.v[:, writes.full_dst] = out.v_full[:, writes.full_src].to(pool.dtype)
-    for src, dst, mask in writes.lr:
-        pool.lr[:, dst] = torch.where(mask, out.lr[:, src].to(pool.dtype), pool.lr[:, dst])

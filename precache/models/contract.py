@@ -172,3 +172,48 @@ class DecodeStepOutputs:
     k_full: torch.Tensor
     v_full: torch.Tensor
     lr: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class StepWrites:
+    """Where a step's new entries go: batch rows ``*_src`` ``[n]`` to pool rows ``*_dst`` ``[n]``.
+    LR writes come in ``lr`` passes of ``(src, dst, mask)``, ``mask`` ``[n, C]`` the LR columns each
+    fills; a pool row that several batch rows fill (ReBaseShared DB: the neutral row and the agent's
+    row write different agents' columns of one position) is written once per pass."""
+
+    base_src: torch.Tensor
+    base_dst: torch.Tensor
+    full_src: torch.Tensor
+    full_dst: torch.Tensor
+    lr: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One decode step as the cache hands it to the model's captured graph
+    (:meth:`precache.models.step_graph.DecodeGraph.__call__`), which returns its logits
+    ``[B, vocab]``: the graph's ``inputs``; the pool tensors it reads, ``reads`` = ``(k, v, lr)``
+    (the pool's ``[n_layers, rows, n_kv_heads, head_dim]`` / ``[n_layers, rows, C]`` tensors, or
+    for window inputs tuples of views of each run of their rows); and where its new entries go,
+    ``writes`` into the pool's tensors ``pool`` = ``(k, v, lr)``, right after the graph
+    (:meth:`write`)."""
+
+    inputs: DecodeStepInputs
+    reads: tuple
+    writes: StepWrites
+    pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+    def write(self, out: DecodeStepOutputs) -> None:
+        """Write the step's new entries ``out`` into the pool: one indexed copy per pool tensor and
+        kind of entry over every layer, cast to the pool's dtype (``kv_cache_dtype``); the graph
+        itself reads the pool only."""
+        k, v, lr = self.pool
+        w = self.writes
+        if w.base_dst.numel():
+            k[:, w.base_dst] = out.k_base[:, w.base_src].to(k.dtype)
+            v[:, w.base_dst] = out.v_base[:, w.base_src].to(v.dtype)
+        if w.full_dst.numel():
+            k[:, w.full_dst] = out.k_full[:, w.full_src].to(k.dtype)
+            v[:, w.full_dst] = out.v_full[:, w.full_src].to(v.dtype)
+        for src, dst, mask in w.lr:
+            lr[:, dst] = torch.where(mask, out.lr[:, src].to(lr.dtype), lr[:, dst])

@@ -24,9 +24,9 @@ What the graph computes, for every row ``b`` and layer ``l`` (the eager forward'
 - o product, MLP (each with the row's LoRA), residuals, the final RMSNorm and the LM head.
 
 The pool is read, never written, inside the graph: writing it in place made inductor copy the whole
-pool every step (a 4-layer probe: 22 ms against 5.4 ms without). The cache writes the returned
-entries into the pool right after the step (:mod:`precache.cache.step_inputs`), one indexed copy
-per pool tensor for all layers.
+pool every step (a 4-layer probe: 22 ms against 5.4 ms without). The returned entries go into the
+pool right after it (:meth:`~precache.models.contract.DecodeStep.write`), one indexed copy per pool
+tensor for all layers.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as shapes_config
 import torch.nn.functional as F
 
-from precache.models.contract import DecodeStepInputs, DecodeStepOutputs
+from precache.models.contract import DecodeStep, DecodeStepInputs, DecodeStepOutputs
 from precache.models.layers import rms_norm, split_product
 from precache.models.quant import Int4Weight, Int8Weight
 from precache.models.rope import RotaryEmbedding
@@ -257,9 +257,9 @@ class DecodeGraph:
     ``model``: a :class:`~precache.models.llama.LlamaModel` on the CPU (fp32, bf16 or int8
     weights). :meth:`__call__` runs a step; the first call of a new LoRA layout (which projections
     the loaded adapters adapt, their largest rank, whether the step reads LR caches) traces and
-    compiles once for one row and once for any larger batch; the key count is dynamic. ``compiled=False`` runs the same module eager (the tests' mid-point between the
-    eager forward and the graph).
-    """
+    compiles once for one row and once for any larger batch; the key count is dynamic.
+    ``compiled=False`` runs the same module eager (the tests' mid-point between the eager forward
+    and the graph)."""
 
     def __init__(self, model, compiled: bool = True):
         self.module = _Step(model).eval()
@@ -272,11 +272,14 @@ class DecodeGraph:
             self._fn = self.module
 
     @torch.no_grad()
-    def __call__(self, inputs: DecodeStepInputs, pool_k, pool_v, pool_lr) -> DecodeStepOutputs:
-        """Run one step; ``pool_k``/``pool_v`` ``[n_layers, rows, n_kv_heads, head_dim]`` and
-        ``pool_lr`` ``[n_layers, rows, C]`` (the pool's tensors, or for window inputs tuples of
-        views of each run of their rows) are read only (in the model's dtype or another ``kv_cache_dtype``,
-        widened as they are read)."""
+    def __call__(self, step: DecodeStep) -> torch.Tensor:
+        """Run one step (the pool read only, in its ``kv_cache_dtype``, widened as it is read), then
+        write its new entries into the pool (:meth:`DecodeStep.write`); return its logits ``[B, vocab]``."""
+        out = self._run(step.inputs, *step.reads)
+        step.write(out)
+        return out.logits
+
+    def _run(self, inputs: DecodeStepInputs, pool_k, pool_v, pool_lr) -> DecodeStepOutputs:
         if not self.compiled:
             return self._fn(inputs, pool_k, pool_v, pool_lr)
         per_key = (inputs.slots, inputs.key_positions, inputs.key_valid, inputs.is_self, inputs.lr_on)
